@@ -1,0 +1,159 @@
+"""Find the largest batch size that fits: two probes, an affine fit of peak reserved memory against
+batch size, a check of the prediction, a refinement when the check fails.
+
+Peak memory of a training step is affine in batch size (GPT-2 124M, seq 512, AdamW, fp32 on an H200:
+1.48 GiB + 0.827 GiB per sample; a line through two probes predicted batch 64 within 0.1%). With
+gradient checkpointing the line under-predicts by 10–14%, hence the margin and the refinement.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sizes import format_bytes
+
+MARGIN = 0.02
+
+
+@dataclass(frozen=True)
+class Trial:
+    batch: int
+    fits: bool
+    peak_reserved: int
+    wall_s: float = 0.0
+    role: str = "probe"
+
+
+@dataclass
+class BatchSearch:
+    """The trials of one search and what they found."""
+
+    name: str
+    budget: int
+    trials: list[Trial] = field(default_factory=list)
+    best: int | None = None
+    source: str | None = None
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.summary())
+
+    def summary(self) -> str:
+        lines = [f"largest {self.name} that fits {format_bytes(self.budget)}: {self.best} "
+                 f"({len(self.trials)} trials)"]
+        for i, t in enumerate(self.trials, 1):
+            status = f"peak reserved {format_bytes(t.peak_reserved)}" if t.fits else "out of memory"
+            lines.append(f"  {i}. {t.role:<7} {self.name}={t.batch:<6} {status}")
+        return "\n".join(lines)
+
+
+def fit_line(trials: list[Trial]) -> tuple[float, float] | None:
+    """(intercept, slope) of peak reserved against batch through the two largest fitting batches."""
+    fitting = sorted({t.batch: t for t in trials if t.fits}.values(), key=lambda t: t.batch)
+    if len(fitting) < 2:
+        return None
+    a, b = fitting[-2], fitting[-1]
+    slope = (b.peak_reserved - a.peak_reserved) / (b.batch - a.batch)
+    return a.peak_reserved - slope * a.batch, slope
+
+
+def next_batch(trials: list[Trial], budget: int, margin: float = MARGIN) -> int | None:
+    """The batch to try next, or None when the search is done. Pure: decided from the trials alone."""
+    fits = [t.batch for t in trials if t.fits]
+    fails = [t.batch for t in trials if not t.fits]
+    lo = max(fits, default=0)
+    hi = min(fails, default=None)
+    if hi is not None and hi - lo <= 1:
+        return None
+    line = fit_line(trials)
+    if line is None or line[1] <= 0:
+        if lo == 0:
+            return None if hi is None or hi <= 1 else max(1, hi // 2)
+        return lo * 2 if hi is None else (lo + hi) // 2
+    intercept, slope = line
+    guess = math.floor((budget * (1 - margin) - intercept) / slope)
+    if any(t.role == "check" and not t.fits for t in trials):
+        # The line over-promised once (checkpointing does that): aim lower, by how far the last
+        # failure overshot the line, and never above the midpoint.
+        guess = min(guess, lo + max(1, (hi - lo) // 2)) if hi is not None else guess
+    if hi is not None:
+        guess = min(guess, hi - 1)
+    if guess <= lo:
+        return None
+    return guess
+
+
+def probes(start: int) -> tuple[int, int]:
+    """Two probe batches below the user's value: far enough apart for a good slope."""
+    first = max(1, start // 4)
+    return first, max(first + 1, start // 2)
+
+
+def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
+    """Run the search for ``%%gpumem --find-batch NAME``; prints progress, binds NAME to the result."""
+    from IPython.core.error import UsageError
+    from IPython.utils.capture import capture_output
+
+    from .rewrite import find_batch, rewrite_batch
+    from .runner import RunSpec, collect, execute
+
+    guess = find_batch(spec.source, _int_names(shell.user_ns), name=name)
+    if guess is None:
+        raise UsageError(f"--find-batch {name}: no integer {name} in the cell or the namespace")
+    start = int(guess.value)
+    saved = dict(shell.user_ns)
+
+    def trial(batch: int, role: str) -> Trial:
+        source = rewrite_batch(spec.source, guess, batch, accumulate=1) or spec.source
+        shell.user_ns[name] = batch
+        with capture_output():
+            run = execute(shell, RunSpec(source=source, device=spec.device, limit=spec.limit,
+                                         options=spec.options, change=f"{name}={batch}"))
+        _restore_namespace(shell.user_ns, saved)
+        collect(run.device)
+        if run.outcome == "error":
+            raise UsageError(f"--find-batch: the cell failed with {name}={batch}: {run.error}")
+        result = Trial(batch, run.outcome == "ok", run.peak_reserved, run.wall_s, role)
+        search.budget = run.budget or search.budget
+        status = f"peak reserved {format_bytes(result.peak_reserved)}" if result.fits else "out of memory"
+        print(f"  trial {len(search.trials) + 1}: {role} {name}={batch}: {status}", flush=True)
+        return result
+
+    search = BatchSearch(name=name, budget=0)
+    print(f"%%gpumem --find-batch {name} (starting from {start})", flush=True)
+    for b in probes(start):
+        t = trial(b, "probe")
+        search.trials.append(t)
+        while not t.fits and t.batch > 1:
+            t = trial(max(1, t.batch // 2), "probe")
+            search.trials.append(t)
+    while True:
+        b = next_batch(search.trials, search.budget)
+        if b is None or len(search.trials) >= 12:
+            break
+        search.trials.append(trial(b, "check"))
+    search.best = max((t.batch for t in search.trials if t.fits), default=None)
+    if search.best is not None:
+        shell.user_ns[name] = search.best
+        search.source = rewrite_batch(spec.source, guess, search.best, accumulate=1)
+    print(search.summary())
+    if search.source:
+        print("the cell with that batch:\n" + search.source)
+    return search
+
+
+def _int_names(ns: dict) -> dict[str, int]:
+    return {k: v for k, v in ns.items() if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_")}
+
+
+def _restore_namespace(ns: dict, saved: dict) -> None:
+    """Undo what a trial bound, so its tensors don't sit in memory during the next trial."""
+    for key in [k for k in ns if k not in saved]:
+        del ns[key]
+    for key, value in saved.items():
+        if ns.get(key, _MISSING) is not value:
+            ns[key] = value
+
+
+_MISSING = object()

@@ -1,0 +1,95 @@
+"""A cell's memory over time: allocated and reserved bytes, optimizer steps, the moment of an OOM.
+
+Pure: the recorders in ``capture`` build it, the views and the diagnosis read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Samples of one cell run. ``t`` is seconds since the cell started; bytes are ``int``.
+
+    ``allocated``/``reserved`` hold the value *after* each event at ``t``; ``steps`` the times of
+    optimizer steps; ``oom_at`` the time of the out-of-memory event, if any.
+    """
+
+    t: tuple[float, ...] = ()
+    allocated: tuple[int, ...] = ()
+    reserved: tuple[int, ...] = ()
+    steps: tuple[float, ...] = ()
+    oom_at: float | None = None
+    truncated: bool = False
+    events: int = field(default=0)
+
+    @property
+    def peak_allocated(self) -> int:
+        return max(self.allocated, default=0)
+
+    @property
+    def peak_reserved(self) -> int:
+        return max(self.reserved, default=0)
+
+    def downsample(self, points: int = 400) -> Timeline:
+        """Return at most ~``points`` samples; each bucket keeps its first, lowest and highest sample,
+        so peaks (and the dips between steps) survive."""
+        n = len(self.t)
+        if n <= points:
+            return self
+        per = max(1, (3 * n) // points)
+        keep: list[int] = []
+        for start in range(0, n, per):
+            idx = range(start, min(start + per, n))
+            picked = {start, max(idx, key=self.allocated.__getitem__), min(idx, key=self.allocated.__getitem__)}
+            picked.add(max(idx, key=self.reserved.__getitem__))
+            keep.extend(sorted(picked))
+        if keep[-1] != n - 1:
+            keep.append(n - 1)
+        return Timeline(
+            t=tuple(self.t[i] for i in keep),
+            allocated=tuple(self.allocated[i] for i in keep),
+            reserved=tuple(self.reserved[i] for i in keep),
+            steps=self.steps,
+            oom_at=self.oom_at,
+            truncated=self.truncated,
+            events=self.events,
+        )
+
+    def step_peaks(self) -> list[int]:
+        """Peak allocated bytes within each optimizer-step interval (before the first step, between
+        steps, after the last). Empty without steps."""
+        if not self.steps:
+            return []
+        bounds = [*self.steps, float("inf")]
+        peaks = [0] * len(bounds)
+        b = 0
+        for t, a in zip(self.t, self.allocated):
+            while t > bounds[b]:
+                b += 1
+            peaks[b] = max(peaks[b], a)
+        return peaks
+
+    def to_json(self) -> dict:
+        return {
+            "t": list(self.t),
+            "allocated": list(self.allocated),
+            "reserved": list(self.reserved),
+            "steps": list(self.steps),
+            "oom_at": self.oom_at,
+            "truncated": self.truncated,
+            "events": self.events,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> Timeline:
+        return cls(
+            t=tuple(data.get("t", ())),
+            allocated=tuple(data.get("allocated", ())),
+            reserved=tuple(data.get("reserved", ())),
+            steps=tuple(data.get("steps", ())),
+            oom_at=data.get("oom_at"),
+            truncated=bool(data.get("truncated", False)),
+            events=int(data.get("events", 0)),
+        )

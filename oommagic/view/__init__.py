@@ -1,0 +1,27 @@
+"""Views of a ``CellRun``: the ipywidgets report in a notebook, plain text everywhere else."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..cellrun import CellRun
+from .text import render_text
+
+
+def in_notebook(shell: Any) -> bool:
+    """True when a frontend that renders widgets may be listening (a Jupyter kernel)."""
+    return getattr(shell, "kernel", None) is not None
+
+
+def show(run: CellRun, shell: Any, text: bool = False) -> Any:
+    """Display ``run``: the widget in a kernel (its text/plain form is the text report), else text."""
+    from IPython.display import display
+
+    if text or not in_notebook(shell):
+        print(render_text(run))
+        return None
+    from .widget import ReportWidget
+
+    widget = ReportWidget(run, shell)
+    display(widget)
+    return widget

@@ -1,0 +1,48 @@
+"""The memory timeline as a small PNG: allocated and reserved over time, capacity and limit lines,
+optimizer steps and the out-of-memory moment marked. Uses matplotlib's Agg canvas directly, so it
+neither needs nor changes the notebook's plotting backend."""
+
+from __future__ import annotations
+
+import io
+
+from ..cellrun import CellRun
+
+GIB = 1024**3
+
+
+def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.4) -> bytes:
+    """PNG bytes of ``run``'s timeline."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    tl = run.timeline.downsample(800)
+    scale, unit = (GIB, "GiB") if max(run.peak_reserved, run.budget or 0) >= GIB / 2 else (1024**2, "MiB")
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    if tl.t:
+        ax.step(tl.t, [r / scale for r in tl.reserved], where="post", color="#9bb7d4", label="reserved")
+        ax.fill_between(tl.t, [a / scale for a in tl.allocated], step="post", color="#3b75af", alpha=0.35)
+        ax.step(tl.t, [a / scale for a in tl.allocated], where="post", color="#3b75af", label="allocated")
+    if run.capacity and run.capacity != run.limit:
+        ax.axhline(run.capacity / scale, color="#444", lw=1, ls="--", label="capacity")
+    if run.limit:
+        ax.axhline(run.limit / scale, color="#c0392b", lw=1, ls="--", label="limit")
+    for step in tl.steps:
+        ax.axvline(step, color="#8e44ad", lw=0.6, alpha=0.5)
+    if tl.steps:
+        ax.plot([], [], color="#8e44ad", lw=0.6, label="optimizer step")
+    if tl.oom_at is not None:
+        ax.axvline(tl.oom_at, color="#c0392b", lw=1.5)
+        ax.annotate("OOM", (tl.oom_at, ax.get_ylim()[1]), color="#c0392b", ha="right", va="top", fontsize=8)
+    ax.set_xlabel("seconds", fontsize=8)
+    ax.set_ylabel(unit, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.set_ylim(bottom=0)
+    ax.margins(x=0.01)
+    ax.legend(fontsize=7, loc="upper left", frameon=False, ncol=5)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()

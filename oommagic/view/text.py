@@ -1,0 +1,56 @@
+"""The plain-text report: what terminal IPython, nbconvert and anything without widgets shows."""
+
+from __future__ import annotations
+
+from ..cellrun import CellRun
+from ..sizes import format_bytes
+
+
+def figures(run: CellRun) -> list[tuple[str, str]]:
+    """(label, value) rows of the run's figures, shared by the text and the HTML table."""
+    rows = [("device", run.device), ("wall time", f"{run.wall_s:.2f} s")]
+    rows += [
+        ("peak allocated", format_bytes(run.peak_allocated)),
+        ("peak reserved", format_bytes(run.peak_reserved)),
+        ("held before → after", f"{format_bytes(run.before_allocated)} → {format_bytes(run.after_allocated)}"),
+    ]
+    if run.capacity is not None:
+        rows.append(("capacity", format_bytes(run.capacity)))
+    if run.limit is not None:
+        rows.append(("limit", format_bytes(run.limit)))
+    if run.headroom is not None and run.outcome == "ok":
+        rows.append(("headroom", format_bytes(run.headroom)))
+    rep = run.report
+    if rep is not None:
+        rows += [
+            (label, format_bytes(value))
+            for label, value in (
+                ("requested", rep.requested),
+                ("free", rep.free),
+                ("allocated by PyTorch", rep.allocated),
+                ("reserved by PyTorch", rep.reserved),
+                ("reserved but unallocated", rep.reserved_unallocated),
+                ("in use by this process", rep.process_used),
+            )
+            if value is not None
+        ]
+        rows += [(f"process {pid}", format_bytes(used)) for pid, used in rep.other_processes]
+    if run.freed is not None:
+        rows.append(("given back after the error", format_bytes(run.freed)))
+    if run.timeline.steps:
+        rows.append(("optimizer steps", str(len(run.timeline.steps))))
+    return rows
+
+
+def render_text(run: CellRun, findings: int = 5) -> str:
+    """The report as plain text: headline, figures, top findings with their remedies."""
+    status = {"ok": "ok", "oom": "OUT OF MEMORY", "error": "error", "interrupted": "interrupted"}[run.outcome]
+    lines = [f"%%gpumem [{status}] {run.headline()}"]
+    width = max(len(label) for label, _ in figures(run))
+    lines += [f"  {label:<{width}}  {value}" for label, value in figures(run)]
+    for f in run.findings[:findings]:
+        lines.append(f"- {f.title}: {f.evidence}")
+        lines += [f"    fix: {r.title}" for r in f.remedies[:3]]
+    if run.timeline.truncated:
+        lines.append("  (the timeline lost its earliest events: the cell made more than the trace keeps)")
+    return "\n".join(lines)

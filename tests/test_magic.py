@@ -1,0 +1,190 @@
+"""%%gpumem in a real IPython shell, CPU mode: recording, the emulated limit, giving memory back, options."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import oommagic
+from oommagic.capture import LEDGER
+from oommagic.magics import CellFailed, CellOutOfMemory
+
+MiB = 1024**2
+
+
+def last_run():
+    return oommagic.history()[-1]
+
+
+def test_import_and_load_ext_import_neither_torch_nor_nvml():
+    code = (
+        "import sys, oommagic\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "InteractiveShell.instance().run_line_magic('load_ext', 'oommagic')\n"
+        "print(sorted(m for m in ('torch', 'pynvml', 'ipywidgets', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_cell_records_exact_tensor_bytes(run_cell):
+    result, _ = run_cell("%%gpumem --quiet\nx1 = torch.empty(10_000_000, dtype=torch.uint8)\ny1 = x1[::2]")
+    assert result.success
+    run = last_run()
+    assert run.outcome == "ok" and run.device == "cpu"
+    assert run.peak_allocated - run.before_allocated == 10_000_000  # the view shares the storage
+    assert run.after_allocated - run.before_allocated == 10_000_000
+    assert run.timeline.peak_allocated == run.peak_allocated
+
+
+def test_optimizer_steps_are_marked(run_cell):
+    result, _ = run_cell(
+        "%%gpumem --quiet\n"
+        "m = torch.nn.Linear(64, 64)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n    m(torch.randn(8, 64)).sum().backward(); opt.step(); opt.zero_grad()\n"
+    )
+    assert result.success
+    assert len(last_run().timeline.steps) == 3
+
+
+OVERRUN = """%%gpumem --limit 128MiB
+import weakref
+def fill():
+    held = torch.ones(64 * 1024 * 1024, dtype=torch.uint8)
+    refs.append(weakref.ref(held))
+    more = torch.empty(200 * 1024 * 1024, dtype=torch.uint8)
+    return held, more
+fill()
+"""
+
+
+def test_oom_in_cell_gives_memory_back(shell, run_cell):
+    shell.user_ns["refs"] = []
+    before = LEDGER.allocated
+    result, out = run_cell(OVERRUN)
+    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    run = last_run()
+    assert run.outcome == "oom"
+    assert shell.user_ns["refs"][0]() is None, "the failed cell's tensor is still alive"
+    assert LEDGER.allocated == before
+    assert run.freed == 64 * MiB
+    rep = run.report
+    assert rep.emulated and rep.device == "cpu"
+    assert rep.requested == 200 * MiB
+    assert rep.limit == 128 * MiB
+    assert rep.allocated == before + 64 * MiB
+    assert rep.free == 128 * MiB - before - 64 * MiB
+    # The message rounds to two decimals like PyTorch's; the report keeps the tracker's exact bytes.
+    parsed = oommagic.parse_oom(rep.text)
+    for name in ("requested", "free", "allocated", "limit", "capacity"):
+        assert abs(getattr(parsed, name) - getattr(rep, name)) <= 0.005 * getattr(rep, name) + 1, name
+    assert "Traceback" not in out and "CellOutOfMemory" in out
+    assert "needed" in out
+
+
+def test_huge_request_is_refused_before_it_is_allocated(run_cell):
+    # 1 TiB would not fit in this machine: the emulated limit must refuse it from the factory's size.
+    result, _ = run_cell("%%gpumem --limit 1GiB --quiet\nbig = torch.empty(1024**4, dtype=torch.uint8)")
+    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    assert last_run().report.requested == 1024**4
+
+
+def test_no_raise_keeps_the_cell_green(run_cell):
+    result, _ = run_cell("%%gpumem --limit 1MiB --no-raise --quiet\nz = torch.zeros(2 * 1024 * 1024)")
+    assert result.success
+    assert last_run().outcome == "oom"
+
+
+def test_other_errors_keep_their_traceback(run_cell):
+    result, out = run_cell("%%gpumem\ndef inner():\n    raise ValueError('boom 42')\ninner()")
+    assert isinstance(result.error_in_exec, CellFailed)
+    assert "ValueError" in out and "boom 42" in out and "inner()" in out
+    assert last_run().outcome == "error"
+
+
+def test_the_run_can_be_kept_and_serialised(shell, run_cell):
+    run_cell("%%gpumem --quiet -o kept\nw = torch.ones(1000)")
+    kept = shell.user_ns["kept"]
+    assert kept is last_run()
+    data = json.loads(json.dumps(kept.to_json()))
+    assert data["peak_allocated"] == kept.peak_allocated and data["outcome"] == "ok"
+
+
+def test_ipython_syntax_keeps_working_inside(run_cell):
+    result, out = run_cell(
+        "%%gpumem --quiet\n%time t = torch.ones(10)\nr = !echo from-shell\nprint(r[0])\n"
+        "import asyncio\nawait asyncio.sleep(0)\n"
+    )
+    assert result.success, out
+    assert "from-shell" in out and "Wall time" in out
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--limit abc", "'abc'"),
+        ("--limit 12XB", "24GiB"),
+        ("--limit 3", "fraction"),
+        ("--limit -1GiB", "expected one argument"),
+        ("--limit=-1GiB", "24GiB"),
+        ("--bogus", "unrecognized"),
+        ("-o 1x", "Python name"),
+        ("--device cuda:0", "CUDA is not available"),
+        ("--device gpu7", "--device expects"),
+    ],
+)
+def test_bad_options_say_what_is_accepted(shell, run_cell, line, message):
+    count = len(oommagic.history())
+    result, out = run_cell(f"%%gpumem {line}\nnever_defined_here = 1")
+    assert message in out
+    assert "never_defined_here" not in shell.user_ns
+    assert len(oommagic.history()) == count
+    assert not result.success
+
+
+def test_limit_above_the_machine_warns_and_sets_none(run_cell):
+    result, out = run_cell("%%gpumem --limit 1000TiB --quiet\nv = 1")
+    assert result.success
+    assert "no limit set" in out
+    assert last_run().limit is None
+
+
+def test_interrupt_restores_every_setting(shell, run_cell):
+    from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    hooks = len(_global_optimizer_post_hooks)
+    custom = shell.custom_exceptions
+    result, _ = run_cell("%%gpumem --limit 1GiB\nq = torch.ones(10)\nraise KeyboardInterrupt")
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    assert last_run().outcome == "interrupted"
+    assert torch._C._len_torch_dispatch_stack() == 0
+    assert len(_global_optimizer_post_hooks) == hooks
+    assert shell.custom_exceptions == custom
+    assert LEDGER.listener is None
+
+
+def test_help_is_the_docstring_and_the_options(shell):
+    doc = shell.find_cell_magic("gpumem").__doc__
+    assert "--limit" in doc and "--find-batch" in doc and "CPU mode" in doc
+
+
+def test_line_magic_reports_devices_plainly(run_cell):
+    result, out = run_cell("%gpumem")
+    assert result.success
+    assert "NVML" in out
+
+
+def test_without_torch_the_magic_says_how_to_install_it():
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from IPython.core.interactiveshell import InteractiveShell\n"
+        "ip = InteractiveShell.instance(); ip.run_line_magic('load_ext', 'oommagic')\n"
+        "ip.run_cell('%%gpumem\\nx = 1')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    out = out.stdout + out.stderr
+    assert "pip install torch" in out
