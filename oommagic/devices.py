@@ -96,13 +96,15 @@ def cuda_ordinals(
 ) -> dict[int, int]:
     """Map NVML index → CUDA ordinal for a ``CUDA_VISIBLE_DEVICES`` value; hidden cards are absent.
 
-    ``uuids[i]`` is the UUID (``GPU-…``) of NVML device ``i`` (None if unreadable); ``mig_parents`` maps a
-    ``MIG-…`` entry to the UUID of the card holding that instance. Follows the CUDA runtime (and torch's
-    ``torch.cuda._parse_visible_devices``): entries are integers or UUID prefixes; the first entry that
-    names no card ends the list, a card named twice hides every card, and only the first MIG instance
-    is enumerated. ``None`` (unset) shows every card in NVML order. Integers are taken as NVML indices,
-    which holds when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or the cards are one model (CUDA's default
-    "fastest first" order breaks ties by PCI bus, as NVML orders).
+    ``uuids[i]`` is the UUID (``GPU-…``) of NVML device ``i`` (None if unreadable); ``mig_parents``
+    maps a ``MIG-<instance uuid>`` entry to the UUID of the card holding that instance.
+
+    Follows the CUDA runtime (as torch's ``torch.cuda._parse_visible_devices`` does): entries are
+    integers or UUID prefixes; the first entry that names no card ends the list, a card named twice
+    hides every card, and only the first MIG instance is enumerated. ``None`` (unset) shows every card
+    in NVML order. Integers are taken as NVML indices, which holds when ``CUDA_DEVICE_ORDER=PCI_BUS_ID``
+    or the cards are one model (CUDA's default "fastest first" order breaks ties by PCI bus, as NVML
+    orders).
     """
     if visible is None:
         return {i: i for i in range(len(uuids))}
@@ -121,7 +123,9 @@ def cuda_ordinals(
 
 def _entry_index(entry: str, uuids: Sequence[str | None], mig_parents: Mapping[str, str]) -> int | None:
     """The NVML index one ``CUDA_VISIBLE_DEVICES`` entry names, or None when it names no single card."""
-    if entry.startswith("MIG-"):
+    if entry.startswith("MIG-GPU-"):  # before CUDA 11.1: MIG-<card uuid>/<gi>/<ci>
+        return _uuid_index(entry[len("MIG-") :].split("/")[0], uuids)
+    if entry.startswith("MIG-"):  # since CUDA 11.1: MIG-<instance uuid>, which only NVML can place
         parent = mig_parents.get(entry)
         return _uuid_index(parent, uuids) if parent else None
     if entry.startswith("GPU-"):
@@ -240,19 +244,17 @@ def _process_name(nvml: Any, pid: int) -> str | None:
 
 
 def _mig_parents(nvml: Any, visible: str | None) -> dict[str, str]:
-    """For each ``MIG-…`` entry of ``CUDA_VISIBLE_DEVICES``, the UUID of the card holding it."""
+    """For each ``MIG-<instance uuid>`` entry of ``CUDA_VISIBLE_DEVICES``, the UUID of its card."""
     parents: dict[str, str] = {}
     for entry in (e.strip() for e in (visible or "").split(",")):
-        parent = _mig_parent_uuid(nvml, entry) if entry.startswith("MIG-") else None
+        is_instance = entry.startswith("MIG-") and not entry.startswith("MIG-GPU-")
+        parent = _mig_parent_uuid(nvml, entry) if is_instance else None
         if parent:
             parents[entry] = parent
     return parents
 
 
 def _mig_parent_uuid(nvml: Any, entry: str) -> str | None:
-    # Before CUDA 11.1 an entry was MIG-<card uuid>/<gi>/<ci>; since then it is MIG-<instance uuid>.
-    if entry.startswith("MIG-GPU-"):
-        return entry[len("MIG-") :].split("/")[0]
     try:
         instance = nvml.nvmlDeviceGetHandleByUUID(entry)
         card = nvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(instance)
