@@ -22,7 +22,15 @@ __all__ = [
     "load_ipython_extension",
     "parse_oom",
     "parse_size",
+    "report_widget",
 ]
+
+
+def report_widget():
+    """The ``%%gpumem`` report widget shown last in this kernel; ``.click("batch")`` presses a fix."""
+    from .view import report_widget as last
+
+    return last()
 
 
 def load_ipython_extension(ipython) -> None:

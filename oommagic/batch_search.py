@@ -45,6 +45,8 @@ class BatchSearch:
         for i, t in enumerate(self.trials, 1):
             status = f"peak reserved {format_bytes(t.peak_reserved)}" if t.fits else "out of memory"
             lines.append(f"  {i}. {t.role:<7} {self.name}={t.batch:<6} {status}")
+        if self.source:
+            lines.append("the cell with that batch:\n" + self.source)
         return "\n".join(lines)
 
 
@@ -84,10 +86,10 @@ def next_batch(trials: list[Trial], budget: int, margin: float = MARGIN) -> int 
     return guess
 
 
-def probes(start: int) -> tuple[int, int]:
-    """Two probe batches below the user's value: far enough apart for a good slope."""
-    first = max(1, start // 4)
-    return first, max(first + 1, start // 2)
+def first_probe(start: int) -> int:
+    """The first probe: a quarter of the user's value, small enough to fit in most cases; the second
+    (``next_batch`` with one point) doubles it, far enough apart for a good slope."""
+    return max(1, start // 4)
 
 
 def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
@@ -109,7 +111,7 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
         shell.user_ns[name] = batch
         with capture_output():
             run = execute(shell, RunSpec(source=source, device=spec.device, limit=spec.limit,
-                                         options=spec.options, change=f"{name}={batch}"))
+                                         options=spec.options, change=f"{name}={batch}", record=False))
         _restore_namespace(shell.user_ns, saved)
         collect(run.device)
         if run.outcome == "error":
@@ -122,24 +124,21 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
 
     search = BatchSearch(name=name, budget=0)
     print(f"%%gpumem --find-batch {name} (starting from {start})", flush=True)
-    for b in probes(start):
-        t = trial(b, "probe")
-        search.trials.append(t)
-        while not t.fits and t.batch > 1:
-            t = trial(max(1, t.batch // 2), "probe")
-            search.trials.append(t)
+    batch = first_probe(start)
     while True:
-        b = next_batch(search.trials, search.budget)
-        if b is None or len(search.trials) >= 12:
+        search.trials.append(trial(batch, "probe"))
+        if search.trials[-1].fits or batch == 1:
             break
-        search.trials.append(trial(b, "check"))
+        batch = max(1, batch // 2)
+    while len(search.trials) < 12:
+        batch = next_batch(search.trials, search.budget)
+        if batch is None:
+            break
+        search.trials.append(trial(batch, "probe" if len(search.trials) < 2 else "check"))
     search.best = max((t.batch for t in search.trials if t.fits), default=None)
     if search.best is not None:
         shell.user_ns[name] = search.best
         search.source = rewrite_batch(spec.source, guess, search.best, accumulate=1)
-    print(search.summary())
-    if search.source:
-        print("the cell with that batch:\n" + search.source)
     return search
 
 

@@ -29,6 +29,7 @@ class RunSpec:
     around: Callable[[], contextlib.AbstractContextManager] | None = None
     change: str | None = None
     parent: str | None = None
+    record: bool = True
 
 
 class _Catch:
@@ -130,7 +131,8 @@ def execute(shell: Any, spec: RunSpec) -> CellRun:
     run.capacity, run.limit, run.timeline = rec.capacity, rec.limit, rec.timeline
     if held_at_failure is not None:
         run.freed = max(held_at_failure - rec.after_allocated, 0)
-    history().append(run)
+    if spec.record:
+        history().append(run)
     if interrupted:
         raise KeyboardInterrupt
     return run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from decimal import ROUND_HALF_EVEN, Decimal
 
 _UNITS = {
     "": 1,
@@ -50,3 +51,48 @@ def format_bytes(n: int | None) -> str:
         if n < scale * 1024:
             return f"{sign}{n / scale:.2f} {unit}"
     return f"{sign}{n / 1024**4:.2f} TiB"
+
+
+# Units as error messages print them. Every producer we read sizes from counts in powers of 1024, whatever it
+# calls the unit: PyTorch's format_size ("GiB"), MPS ("GB", "MB"), TensorFlow ("GiB" without a space), XLA
+# ("G", "M"). So here, unlike parse_size, "GB" is 1024**3.
+REPORTED_UNITS = {
+    "bytes": 1,
+    "byte": 1,
+    "B": 1,
+    "KiB": 1024,
+    "KB": 1024,
+    "K": 1024,
+    "MiB": 1024**2,
+    "MB": 1024**2,
+    "M": 1024**2,
+    "GiB": 1024**3,
+    "GB": 1024**3,
+    "G": 1024**3,
+    "TiB": 1024**4,
+    "TB": 1024**4,
+    "T": 1024**4,
+    "PiB": 1024**5,
+    "PB": 1024**5,
+    "P": 1024**5,
+}
+_REPORTED = re.compile(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([A-Za-z]{1,5})\s*")
+
+
+def parse_reported_size(text: str) -> int:
+    """Return the bytes in a size as an error message prints it: ``8.00 GiB``, ``0 bytes``, ``12.5 MB``, ``129.50M``.
+
+    All units are powers of 1024 (see ``REPORTED_UNITS``). The value is rounded half to even from its exact decimal
+    value, so ``1.95 GiB`` is ``round(1.95 * 1024**3)`` = 2093796557. Raises ``ValueError`` on anything else.
+    """
+    match = _REPORTED.fullmatch(text)
+    if not match or match.group(2) not in REPORTED_UNITS:
+        raise ValueError(f"expected a size like 8.00 GiB, 0 bytes or 12.5 MB, got {text!r}")
+    return reported_bytes(match.group(1), match.group(2))
+
+
+def reported_bytes(number: str, unit: str) -> int:
+    """Bytes in ``number`` (decimal digits, optional fraction) of ``unit`` (a key of ``REPORTED_UNITS``)."""
+    # Decimal, not float: exact for any digit string, and no overflow to inf on absurd inputs.
+    exact = Decimal(number) * REPORTED_UNITS[unit]
+    return int(exact.to_integral_value(rounding=ROUND_HALF_EVEN))

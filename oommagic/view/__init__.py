@@ -22,6 +22,16 @@ def show(run: CellRun, shell: Any, text: bool = False) -> Any:
         return None
     from .widget import ReportWidget
 
+    global _LAST
     widget = ReportWidget(run, shell)
+    _LAST = widget
     display(widget)
     return widget
+
+
+_LAST: Any = None
+
+
+def report_widget() -> Any:
+    """The report widget shown last in this kernel (None before any), e.g. ``report_widget().click("batch")``."""
+    return _LAST

@@ -78,6 +78,7 @@ class ReportWidget:
         self.result = w.VBox()
         self.attempts = w.HTML()
         self.buttons: list[Any] = []
+        self._remedies: dict[Any, Any] = {}
         self.root = w.VBox([self.headline, self.table, self.plot, self.findings, self.output, self.result,
                             self.attempts])
         self.root.add_class("oommagic-report")
@@ -93,6 +94,7 @@ class ReportWidget:
         self.table.value = figures_html(run)
         self.plot.value = timeline_png(run) if run.timeline.t else b""
         self.buttons = []
+        self._remedies = {}
         boxes = []
         for finding in run.findings:
             row = []
@@ -106,6 +108,7 @@ class ReportWidget:
                 button.on_click(lambda b, r=remedy, src=run: self.retry(b, src, r))
                 row.append(button)
                 self.buttons.append(button)
+                self._remedies[button] = remedy
             boxes.append(w.VBox([w.HTML(finding_html(finding)), w.HBox(row)]))
         self.findings.children = boxes
         self.attempts.value = attempts_html(self.runs) if len(self.runs) > 1 else ""
@@ -164,6 +167,19 @@ class ReportWidget:
             self.attempts.value = attempts_html(self.runs)
         else:
             self.show(new)
+
+    def click(self, kind: str) -> CellRun:
+        """Press the fix button of remedy ``kind`` ("batch", "autocast", ...), as a person would; returns
+        the retry's run. Raises ``LookupError`` when no such button is offered."""
+        for button, remedy in self._remedies.items():
+            if remedy.kind == kind and not button.disabled:
+                before = len(self.runs)
+                button.click()
+                if len(self.runs) == before:
+                    raise RuntimeError(f"the {kind} retry did not run (see the widget's output)")
+                return self.runs[-1]
+        offered = sorted({r.kind for b, r in self._remedies.items() if not b.disabled})
+        raise LookupError(f"no enabled {kind!r} fix in this report; offered: {', '.join(offered) or 'none'}")
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         bundle = self.root._repr_mimebundle_(**kwargs)

@@ -1,0 +1,81 @@
+"""The kernel end of the sidebar's comm: ``publish(run)`` sends each ``%%gpumem`` run to JupyterLab.
+
+Protocol version 1 (the frontend end is ``labextension/src/protocol.ts``):
+
+- the kernel opens the comm, target ``oommagic``, on the first ``publish`` with
+  ``{"version": 1, "type": "hello", "runs": [<CellRun.to_json()>, ...]}``: every run so far;
+- then sends ``{"version": 1, "type": "run", "run": <CellRun.to_json()>}`` for each run (a retry has
+  ``parent`` = the id of the run it retried);
+- the frontend sends ``{"type": "sync"}`` to have the hello sent again (a reloaded page does, after
+  finding the open comm by ``comm_info_request``).
+
+Uses the ``comm`` package, which ipykernel wires to the kernel; outside a kernel (terminal IPython, a
+script) ``comm.create_comm`` gives a comm that sends nothing, and ipykernel is never imported here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from .cellrun import CellRun, history
+
+TARGET = "oommagic"
+PROTOCOL_VERSION = 1
+
+log = logging.getLogger(__name__)
+
+# The one open comm of this kernel; None until the first publish or after the frontend closed it.
+_comm: Any = None
+
+
+def hello() -> dict[str, Any]:
+    """The hello message: every ``%%gpumem`` run of this kernel so far, oldest first."""
+    return {"version": PROTOCOL_VERSION, "type": "hello", "runs": [run.to_json() for run in history()]}
+
+
+def run_message(run: CellRun) -> dict[str, Any]:
+    """The message that announces one run."""
+    return {"version": PROTOCOL_VERSION, "type": "run", "run": run.to_json()}
+
+
+def publish(run: CellRun) -> None:
+    """Send ``run`` to the sidebar, opening the comm (with the hello) first if none is open.
+
+    Never raises: a frontend that is not there, or a message that cannot be sent, is logged and the
+    cell's own result stands.
+    """
+    try:
+        _open().send(run_message(run))
+    except Exception:
+        log.warning("oommagic: could not send run %s to the sidebar", run.id, exc_info=True)
+
+
+def _open() -> Any:
+    global _comm
+    if _comm is None:
+        import comm
+
+        # Looked up at call time: ipykernel replaces comm.create_comm when the kernel starts.
+        opened = comm.create_comm(target_name=TARGET, data=hello())
+        opened.on_msg(_on_msg)
+        opened.on_close(lambda msg: _forget(opened))
+        _comm = opened
+    return _comm
+
+
+def _on_msg(msg: dict[str, Any]) -> None:
+    data = msg.get("content", {}).get("data") or {}
+    if data.get("type") == "sync" and _comm is not None:
+        try:
+            _comm.send(hello())
+        except Exception:
+            log.warning("oommagic: could not answer the sidebar's sync", exc_info=True)
+
+
+def _forget(closed: Any) -> None:
+    # A frontend without the target (another client on the same kernel) closes comms it cannot
+    # place; the next publish opens a new one, with a hello that carries every run.
+    global _comm
+    if _comm is closed:
+        _comm = None

@@ -1,0 +1,522 @@
+"""Diagnose an out-of-memory error: which known causes the figures support, and what each fix would save.
+
+Pure: reads an ``OOMReport``, the run's ``Timeline`` and a ``DiagnosisContext`` (what ``context`` gathered
+from the namespace); imports neither torch nor IPython. Each rule fires on its evidence, names that evidence
+in numbers, and says plainly when the figures do not support a remedy. What a remedy looks like (title,
+snippet, rewrite) is ``remedies``' job; this module decides which apply and ranks them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+
+from . import remedies as fix
+from .oom import OOMReport
+from .remedies import MARGIN, TRAINING_STATE, Remedy
+from .rewrite import BatchGuess, names_read
+from .sizes import format_bytes as fmt
+from .timeline import Timeline
+
+__all__ = [
+    "BatchGuess",
+    "DiagnosisContext",
+    "Figures",
+    "Finding",
+    "Leftover",
+    "ModelInfo",
+    "Remedy",
+    "diagnose",
+    "figures",
+]
+
+MIB = 1024**2
+# Below this a cause is noise next to the CUDA context and the allocator's rounding.
+NOTICEABLE = 64 * MIB
+# Reserved-but-unallocated at or above this share of reserved (or above the request) is fragmentation;
+# the same share of the budget held by nothing we can name is worth saying.
+FRAGMENTED_SHARE = 0.25
+# A step that needs this much more than the median step ran on unusually long samples.
+LONG_STEP = 1.3
+# How firmly the figures back a finding's saving: measured bytes over estimates over hopes.
+WEIGHT = {
+    "async_error": 2.0,  # the figures may point at the wrong line: find the real one first
+    "too_large": 1.5,  # nothing short of a smaller model or another card makes it fit
+    "fragmentation": 1.0,
+    "leftovers": 1.0,
+    "other_processes": 0.9,
+    "activations": 0.9,
+    "generation": 0.9,
+    "long_samples": 0.6,
+    "reserved_churn": 0.3,
+    "limit": 0.1,  # context, not a fix: the limit was chosen on purpose
+}
+_FIXED_SCORE = ("async_error", "too_large", "limit")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One cause the figures support: ``evidence`` in numbers, its remedies (largest saving first), the
+    bytes the best of them would save, and ``score`` (higher ranks first)."""
+
+    key: str
+    title: str
+    evidence: str
+    saving: int | None = None
+    remedies: tuple[Remedy, ...] = ()
+    score: float = 0.0
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["remedies"] = [r.to_json() for r in self.remedies]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> Finding:
+        data = {f.name: data[f.name] for f in fields(cls) if f.name in data}
+        data["remedies"] = tuple(Remedy.from_json(r) for r in data.get("remedies", ()))
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A user-namespace variable holding device memory; ``kind`` is tensor/module/optimizer/container.
+    ``in_use``: a function the cell calls reads it (the cell's own source is checked by ``diagnose``)."""
+
+    name: str
+    kind: str
+    bytes: int
+    in_use: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
+
+    name: str
+    param_bytes: int
+    dtype: str = "float32"
+    is_hf: bool = False
+    supports_checkpointing: bool = False
+    checkpointing_on: bool = False
+    is_training: bool = False
+
+
+@dataclass(frozen=True)
+class DiagnosisContext:
+    """What the rules need beyond the report: the cell, its timeline, the namespace and the machine."""
+
+    source: str = ""
+    timeline: Timeline = field(default_factory=Timeline)
+    before_allocated: int = 0
+    capacity: int | None = None
+    limit: int | None = None
+    device: str = "cuda:0"
+    leftovers: tuple[Leftover, ...] = ()
+    batch: BatchGuess | None = None
+    models: tuple[ModelInfo, ...] = ()
+    other_gpus: tuple[tuple[int, int], ...] = ()  # (cuda index, free bytes)
+    processes: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes) of other processes, from NVML
+    generation: bool = False
+    max_new_tokens: int | None = None
+    num_beams: int | None = None
+    has_truncation: bool = False
+    autocast_on: bool = False
+    bf16_supported: bool = True
+    async_error: bool = False
+    expandable_segments_on: bool = False
+    grad_accum_name: str | None = None
+
+
+@dataclass(frozen=True)
+class Figures:
+    """The sums every rule shares. ``demand``: allocated bytes the cell wanted at its peak;
+    ``shortfall``: how many of them were missing; ``fixed``: what does not scale with the batch;
+    ``activations``: the rest."""
+
+    budget: int | None = None
+    requested: int | None = None
+    demand: int | None = None
+    shortfall: int | None = None
+    fixed: int = 0
+    activations: int | None = None
+    training: bool = False
+    state: int = 0  # weights (x4 when training: gradients and Adam moments)
+
+    @property
+    def available(self) -> int | None:
+        """What PyTorch could have held at best: what it wanted minus what was missing."""
+        if self.demand is not None and self.shortfall is not None:
+            return self.demand - self.shortfall
+        return self.budget
+
+    def verdict(self, saving: int | None) -> str:
+        """A sentence saying whether ``saving`` covers the shortfall."""
+        if saving is None or self.shortfall is None:
+            return ""
+        # The shortfall is that of the request that failed: later allocations of the step may want more.
+        if saving >= self.shortfall:
+            return f" By these figures that covers the {fmt(self.shortfall)} the failed request lacked."
+        return (
+            f" By these figures that alone is not enough: the failed request lacked "
+            f"{fmt(self.shortfall)}, {fmt(self.shortfall - saving)} more than this saves."
+        )
+
+    def coverage(self, saving: int | None) -> float:
+        """Share of the shortfall (else of the request or budget) that ``saving`` covers, at most 1."""
+        if not saving or saving <= 0:
+            return 0.0
+        ref = self.shortfall or self.requested or self.budget
+        return min(saving / ref, 1.0) if ref else 0.5
+
+
+def figures(report: OOMReport | None, ctx: DiagnosisContext) -> Figures:
+    """Budget, demand, shortfall and the batch-independent share, from the report and the context."""
+    limit = ctx.limit or (report.limit if report else None)
+    capacity = ctx.capacity or (report.capacity if report else None)
+    budget = min(b for b in (limit, capacity) if b) if (limit or capacity) else None
+    req = report.requested if report else None
+    tl = ctx.timeline
+    demands = [tl.peak_allocated] if tl.allocated else []
+    if req is not None and report is not None and report.allocated is not None:
+        demands.append(report.allocated + req)
+    elif req is not None and tl.allocated:
+        demands.append(tl.allocated[-1] + req)
+    demand = max(demands) if demands else None
+
+    shortfall = None
+    if req is not None and report is not None:
+        held = report.reserved if report.reserved is not None else report.allocated
+        # Under a per-process limit the allocator weighs its reserved total against the limit, not free
+        # device memory.
+        room = (limit - held) if limit and held is not None else report.free
+        shortfall = req - max(room, 0) if room is not None else None
+    if (shortfall is None or shortfall <= 0) and demand and budget:
+        shortfall = demand - budget if demand > budget else None
+
+    state = sum(m.param_bytes * (TRAINING_STATE if m.is_training else 1) for m in ctx.models)
+    # The model's state is either already in before_allocated (loaded earlier) or built by the cell: the
+    # larger of the two is a floor for what stays whatever the batch.
+    fixed = max(ctx.before_allocated, state)
+    activations = demand - fixed if demand is not None and demand > fixed else None
+    return Figures(budget, req, demand, shortfall, fixed, activations, _training(ctx), state)
+
+
+def _training(ctx: DiagnosisContext) -> bool:
+    if any(m.is_training for m in ctx.models) or ctx.grad_accum_name:
+        return True
+    return not ctx.models and any(s in ctx.source for s in (".backward(", "Trainer(", ".train("))
+
+
+def diagnose(report: OOMReport | None, ctx: DiagnosisContext) -> list[Finding]:
+    """Every finding the figures support, most useful first: by how much of the shortfall its best remedy
+    would cover, weighted by how firmly the figures back it. ``report`` None means the error gave no
+    figures; the rules that need them stay quiet."""
+    fig = figures(report, ctx)
+    found = [f for rule in RULES if (f := rule(report, ctx, fig)) is not None]
+    return sorted(found, key=lambda f: (f.score, f.saving or 0), reverse=True)
+
+
+def _finding(
+    key: str,
+    title: str,
+    evidence: str,
+    remedies: list[Remedy | None],
+    fig: Figures,
+    saving: int | None = None,
+) -> Finding:
+    kept = sorted((r for r in remedies if r is not None), key=lambda r: r.saving or 0, reverse=True)
+    if saving is None:
+        saving = max((r.saving for r in kept if r.saving is not None), default=None)
+    score = WEIGHT[key] * (1.0 if key in _FIXED_SCORE else fig.coverage(saving))
+    return Finding(key, title, evidence, saving, tuple(kept), round(score, 4))
+
+
+# --- rules: each returns a Finding on its evidence, None without it ------------------------------------
+
+Rule = Callable[[OOMReport | None, DiagnosisContext, Figures], "Finding | None"]
+
+
+def _fragmentation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    unused = report.reserved_unallocated if report else None
+    if not unused or unused < NOTICEABLE:
+        return None
+    reserved = report.reserved or (report.allocated + unused if report.allocated is not None else None)
+    req = report.requested
+    if not ((req is not None and unused >= req) or (reserved and unused >= FRAGMENTED_SHARE * reserved)):
+        return None
+    evidence = (
+        f"{fmt(unused)} was reserved by PyTorch but unallocated"
+        + (f" (of {fmt(reserved)} reserved)" if reserved else "")
+        + (f" when {fmt(req)} was requested" if req is not None else "")
+        + ": the free blocks were too scattered to hold the request."
+    )
+    remedies = []
+    if ctx.expandable_segments_on:
+        evidence += " Expandable segments are already on."
+    elif ctx.device.startswith("cuda"):
+        remedies.append(fix.expandable_segments(fig, unused))
+    remedies.append(fix.max_split_size(fig, req, unused))
+    return _finding("fragmentation", "Fragmented cache", evidence, remedies, fig)
+
+
+def _other_processes(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    held = {pid: ("?", b) for pid, b in (report.other_processes if report else ())}
+    held.update({pid: (name, b) for pid, name, b in ctx.processes})
+    total = sum(b for _, b in held.values())
+    if total < NOTICEABLE:
+        return None
+    ranked = sorted(held.items(), key=lambda p: -p[1][1])
+    who = "; ".join(f"PID {pid} ({name}) holds {fmt(b)}" for pid, (name, b) in ranked)
+    evidence = (
+        f"Other processes hold {fmt(total)} of this card: {who}. Stopping them (shut down their kernels, "
+        "or `kill PID`) gives it back."
+    )
+    gpu = fix.other_gpu(ctx, fig)
+    if gpu is None and ctx.other_gpus and fig.demand is not None:
+        idx, free = max(ctx.other_gpus, key=lambda g: g[1])
+        evidence += (
+            f" No other GPU has room for the {fmt(fig.demand)} this cell needs (GPU {idx}: {fmt(free)} free)."
+        )
+    return _finding("other_processes", "Other processes share the card", evidence, [gpu], fig, saving=total)
+
+
+def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    held = sorted(ctx.leftovers, key=lambda lo: lo.bytes, reverse=True)
+    read = names_read(ctx.source) | {lo.name for lo in held if lo.in_use}
+    free = [lo for lo in held if lo.name not in read and lo.bytes > 0]
+    freeable = sum(lo.bytes for lo in free)
+    # Models are leftovers too when gathered from a namespace; a hand-built context may list them only once.
+    named = max(sum(lo.bytes for lo in held), sum(m.param_bytes for m in ctx.models))
+    unaccounted = ctx.before_allocated - named
+    big_unaccounted = fig.budget is not None and unaccounted >= FRAGMENTED_SHARE * fig.budget
+    if freeable < NOTICEABLE and not big_unaccounted:
+        return None
+    evidence = f"{fmt(ctx.before_allocated)} was allocated before the cell started"
+    if held:
+        evidence += "; the namespace holds " + ", ".join(
+            f"{lo.name} ({lo.kind}) {fmt(lo.bytes)}" for lo in held[:8]
+        )
+    used = [lo.name for lo in held if lo.name in read]
+    if used:
+        evidence += f". This cell uses {', '.join(used)}, so those stay"
+    if big_unaccounted:
+        evidence += (
+            f". {fmt(unaccounted)} of it is held by nothing in the namespace: closures, library caches, or "
+            "IPython's output history (`Out`, `_`; `%reset -f out` clears it)"
+        )
+    remedies = []
+    if freeable >= NOTICEABLE:
+        remedies.append(fix.free_leftovers(fig, [lo.name for lo in free], freeable, ctx.device))
+    return _finding("leftovers", "Memory held before the cell", evidence + ".", remedies, fig)
+
+
+def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    if fig.budget is None:
+        return None
+    req = fig.requested
+    what = "limit" if (ctx.limit or (report and (report.limit or report.emulated))) else "card"
+    single = req is not None and req > fig.budget
+    if not single and fig.state <= fig.budget:
+        return None
+    parts = []
+    if single:
+        parts.append(
+            f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}: shrink what makes "
+            "it (batch, sequence length) or compute it in chunks"
+        )
+    if fig.state > fig.budget:
+        each = ", ".join(f"{m.name} {fmt(m.param_bytes)} of {m.dtype} weights" for m in ctx.models)
+        x4 = f" ×{TRAINING_STATE} for training (weights, gradients, two Adam moments)" if fig.training else ""
+        parts.append(f"{each}{x4}: {fmt(fig.state)}, more than the {fmt(fig.budget)} {what}")
+    evidence = "; ".join(parts) + ". No allocator setting or cache clear makes this fit."
+    remedies = fix.smaller_model(ctx, fig, fig.state)
+    return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
+
+
+def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    growth = _step_growth(ctx.timeline)
+    if ctx.generation or not (fig.training or ctx.batch or growth):
+        return None
+    batch, note = _batch_remedy(ctx, fig, fig.training)
+    evidence = _split_evidence(ctx, fig) + growth + note
+    remedies = [batch]
+    if ctx.autocast_on:
+        evidence += " Autocast is already on."
+    elif any(m.dtype in ("float32", "float") for m in ctx.models) and fig.demand is not None:
+        remedies.append(fix.autocast(ctx, fig))
+    if fig.training:
+        remedies.append(fix.checkpointing(ctx, fig))
+        on = [m.name for m in ctx.models if m.checkpointing_on]
+        evidence += f" Gradient checkpointing is already on for {', '.join(on)}." if on else ""
+    title = "Activations of the batch" + (" in training" if fig.training else "")
+    return _finding("activations", title, evidence, remedies, fig)
+
+
+def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
+    if fig.demand is None:
+        return "The figures don't say how much the cell needed at its peak."
+    line = f"The cell needed {fmt(fig.demand)} at its peak"
+    if fig.activations is None:
+        return line + f", no more than the {fmt(fig.fixed)} that does not grow with the batch."
+    what = ["memory held before the cell"] if ctx.before_allocated else []
+    if ctx.models:
+        what.append("weights, gradients and Adam moments" if fig.training else "weights")
+    line += f": {fmt(fig.fixed)} that does not grow with the batch"
+    line += f" ({', '.join(what)})" if what else ""
+    line += f", about {fmt(fig.activations)} that does"
+    if ctx.batch:
+        line += (
+            f" ({fmt(fig.activations // ctx.batch.value)} per sample at {ctx.batch.name}={ctx.batch.value})"
+        )
+    return line + "."
+
+
+def _step_growth(tl: Timeline) -> str:
+    # Skip the interval before the first step: Adam's moments appear at step 1, which is no leak.
+    peaks = tl.step_peaks()[1:]
+    rising = all(b > a for a, b in itertools.pairwise(peaks))
+    if len(peaks) < 3 or not rising or peaks[-1] < peaks[0] * 1.05:
+        return ""
+    shown = " → ".join(fmt(p) for p in peaks[-4:])
+    return (
+        f" Each step's peak grew ({shown}): something keeps every step's tensors, e.g. `losses.append(loss)` "
+        "keeps each step's graph; append `loss.item()` instead."
+    )
+
+
+def smaller_batch(old: int, fig: Figures, training: bool) -> tuple[int, int] | None:
+    """(new batch, accumulation steps): at most half the old batch, less where the figures predict only
+    less fits (with a 10% margin); None when not even one sample would. In training the new batch divides
+    the old one where that wastes less than half, so accumulation keeps the effective batch exact."""
+    if old < 2:
+        return None
+    # The demand is what was in use when the allocation failed: the step would have needed more, so the
+    # figures can say "less than half" but never "more than half".
+    target = old // 2
+    if fig.activations and fig.available is not None:
+        per_sample = fig.activations / old
+        room = fig.available * (1 - MARGIN) - fig.fixed
+        if room < per_sample:
+            return None
+        target = min(target, int(room // per_sample))
+    if not training:
+        return target, 1
+    divisor = max(d for d in range(1, target + 1) if old % d == 0)
+    if 2 * divisor >= target:
+        return divisor, old // divisor
+    return target, -(-old // target)
+
+
+def _batch_remedy(ctx: DiagnosisContext, fig: Figures, training: bool) -> tuple[Remedy | None, str]:
+    """The smaller-batch remedy, or a note for the evidence saying why there is none."""
+    guess = ctx.batch
+    if guess is None:
+        return None, " No batch size found in the cell: name it with `%%gpumem --batch NAME`."
+    picked = smaller_batch(guess.value, fig, training)
+    if picked is None:
+        why = "it is already 1" if guess.value < 2 else f"the {fmt(fig.fixed)} that stays leaves no room"
+        return None, f" A smaller {guess.name} cannot fit: {why}."
+    return fix.batch(ctx, fig, guess, *picked), ""
+
+
+def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    if not ctx.generation:
+        return None
+    act = fig.activations
+    remedies = []
+    if ctx.max_new_tokens and ctx.max_new_tokens >= 2:
+        old, new = ctx.max_new_tokens, ctx.max_new_tokens // 2
+        # An upper bound: as if the generated tokens were the whole sequence.
+        saving = act * (old - new) // old if act else None
+        remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
+    elif ctx.max_new_tokens is None:
+        remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", None, 256, None))
+    if ctx.num_beams and ctx.num_beams > 1:
+        saving = act * (ctx.num_beams - 1) // ctx.num_beams if act else None
+        remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, 1, saving))
+    batch, note = _batch_remedy(ctx, fig, training=False)
+    remedies.append(batch)
+    if not ctx.has_truncation:
+        remedies.append(fix.truncate(ctx, fig, None))
+    evidence = (
+        _split_evidence(ctx, fig)
+        + " In generation that is mostly the KV cache and logits, which grow with batch × beams × tokens"
+        + (f" (max_new_tokens={ctx.max_new_tokens}" if ctx.max_new_tokens else " (max_new_tokens not set")
+        + (f", num_beams={ctx.num_beams})." if ctx.num_beams else ").")
+        + note
+    )
+    return _finding("generation", "Generation memory", evidence, remedies, fig)
+
+
+def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    done = ctx.timeline.step_peaks()[1:-1]  # full steps: not the first (no Adam state), not the failing one
+    if len(done) < 2 or fig.demand is None or ctx.has_truncation:
+        return None
+    median = sorted(done)[len(done) // 2]
+    if fig.demand < LONG_STEP * median:
+        return None
+    evidence = (
+        f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
+        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples."
+    )
+    remedy = fix.truncate(ctx, fig, fig.demand - median)
+    return _finding("long_samples", "An unusually long batch", evidence, [remedy], fig)
+
+
+def _reserved_churn(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    tl = ctx.timeline
+    gap = tl.peak_reserved - tl.peak_allocated
+    if len(tl.t) < 2 or gap < max(4 * NOTICEABLE, FRAGMENTED_SHARE * tl.peak_reserved):
+        return None
+    unused = report.reserved_unallocated if report else None
+    if unused and report.reserved and unused >= FRAGMENTED_SHARE * report.reserved:
+        return None  # still cached at the error: the fragmentation finding covers it
+    evidence = (
+        f"Reserved memory peaked at {fmt(tl.peak_reserved)} while allocated peaked at "
+        f"{fmt(tl.peak_allocated)}: {fmt(gap)} sat cached and unused during the run"
+        + (f", but only {fmt(unused or 0)} at the error." if report else ".")
+    )
+    remedy = fix.empty_cache_every_step(fig, gap)
+    return _finding("reserved_churn", "Cache held far above use", evidence, [remedy], fig)
+
+
+def _async_error(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    if not (ctx.async_error or (report is not None and report.source == "driver")):
+        return None
+    evidence = (
+        "`CUDA error: out of memory` came from the driver, not from PyTorch's allocator: a library "
+        "workspace (cuBLAS, cuDNN, NCCL) or a kernel ran out, possibly on an earlier line than the "
+        "traceback shows, and the allocator's figures don't describe it."
+    )
+    return _finding(
+        "async_error", "Out of memory outside the allocator", evidence, [fix.LAUNCH_BLOCKING], fig
+    )
+
+
+def _limit(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    limit = ctx.limit or (report.limit if report else None)
+    capacity = ctx.capacity or (report.capacity if report else None)
+    emulated = bool(report and report.emulated)
+    if not (emulated or (limit and capacity and limit < capacity)):
+        return None
+    evidence = f"The {fmt(limit)} limit ran out, not the card" if limit else "An emulated card ran out"
+    if capacity and limit and limit < capacity:
+        evidence += f": the card has {fmt(capacity)}, {fmt(capacity - limit)} beyond the limit"
+    evidence += ". Drop or raise `--limit` to use the whole card." if emulated else "."
+    return _finding("limit", "The limit ran out, not the card", evidence, [], fig)
+
+
+RULES: tuple[Rule, ...] = (
+    _async_error,
+    _too_large,
+    _fragmentation,
+    _leftovers,
+    _other_processes,
+    _activations,
+    _generation,
+    _long_samples,
+    _reserved_churn,
+    _limit,
+)

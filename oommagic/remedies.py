@@ -1,0 +1,464 @@
+"""Remedies: what a fix is called, why it helps, the snippet to copy, and the rewrite a retry can run.
+
+Pure: builds ``Remedy`` records from the figures and the cell context that ``diagnose`` worked out; it
+decides nothing about *whether* a remedy applies (that is ``diagnose``'s job), only what it looks like and
+what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from .rewrite import (
+    BatchGuess,
+    accumulates,
+    calls_with_keyword,
+    changed_lines,
+    insert_after_assignment,
+    rewrite_batch,
+    set_call_keyword,
+    tokenizer_calls,
+)
+from .sizes import format_bytes as fmt
+
+if TYPE_CHECKING:
+    from .diagnose import DiagnosisContext, Figures
+
+MIB = 1024**2
+# Measured on GPT-2 124M on an H200 (DESIGN.md): bf16 autocast cut the peak 16%, three times faster;
+# gradient checkpointing cut activations ~60% at +25% step time.
+AUTOCAST_SAVING = 0.16
+CHECKPOINTING_SAVING = 0.60
+# The batch line under-predicts by up to 14% with checkpointing (DESIGN.md): aim 10% under the budget.
+MARGIN = 0.10
+# Weights + gradients + two Adam moments: full training holds ~4x the parameters.
+TRAINING_STATE = 4
+# A cell that switches checkpointing on itself needs no button for it.
+CHECKPOINTING_IN_SOURCE = re.compile(r"gradient_checkpointing\s*=\s*True|gradient_checkpointing_enable\(")
+# Bytes per parameter by dtype (float32 otherwise); 4-bit loading stores ~half a byte per weight.
+ELEMENT_SIZE = {"float64": 8, "double": 8, "float16": 2, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
+
+KINDS = frozenset(
+    {
+        "batch",
+        "autocast",
+        "expandable_segments",
+        "max_split_size",
+        "empty_cache",
+        "checkpointing",
+        "free_leftovers",
+        "quantize",
+        "offload",
+        "truncate",
+        "max_new_tokens",
+        "num_beams",
+        "other_gpu",
+        "launch_blocking",
+        "multi_gpu",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One fix: a button label, why it helps, a snippet to copy, and whether a retry can apply it.
+
+    ``kind`` is one of ``KINDS``; ``saving`` the bytes it is expected to save (None: the figures don't say);
+    ``params`` what the retry needs (JSON-able); ``new_source`` the whole cell with the change applied,
+    for source rewrites (the JupyterLab panel writes it into the cell).
+    """
+
+    kind: str
+    title: str
+    explanation: str = ""
+    code: str = ""
+    automatic: bool = False
+    saving: int | None = None
+    params: dict = field(default_factory=dict)
+    new_source: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Remedy:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+def _made(fig: Figures, kind: str, title: str, explanation: str, saving: int | None, **kw: Any) -> Remedy:
+    # Every explanation ends by saying whether the saving covers what was missing.
+    return Remedy(kind, title, explanation + fig.verdict(saving), saving=saving, **kw)
+
+
+def _fp32(dtype: str) -> bool:
+    return dtype in ("float32", "float")
+
+
+# --- the allocator -------------------------------------------------------------------------------------
+
+
+def expandable_segments(fig: Figures, unused: int) -> Remedy:
+    return _made(
+        fig,
+        "expandable_segments",
+        "Expandable segments",
+        "New memory is mapped into segments that grow in place, so freed pieces join up instead of staying "
+        "too small. Switched on live for the retry; the snippet keeps it.",
+        unused,
+        code='import torch\ntorch.cuda.memory._set_allocator_settings("expandable_segments:True")\n'
+        "# or for good, before Python starts: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        automatic=True,
+        params={"setting": "expandable_segments:True"},
+    )
+
+
+def max_split_size(fig: Figures, requested: int | None, unused: int) -> Remedy:
+    # Blocks above the threshold stay whole for requests of their size; 128–1024 MiB is the useful range.
+    mb = 128
+    while requested and mb * 2 <= min(requested // MIB, 1024):
+        mb *= 2
+    mb = mb if requested else 512
+    return _made(
+        fig,
+        "max_split_size",
+        f"max_split_size_mb:{mb} (restart)",
+        f"Blocks over {mb} MiB are not carved up for small tensors, so large requests find them whole. "
+        "Takes effect only when set before CUDA starts: restart the kernel.",
+        unused,
+        code=f'import os\nos.environ["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:{mb}"\n'
+        "# after a kernel restart, before the first `import torch`",
+    )
+
+
+def empty_cache_every_step(fig: Figures, gap: int) -> Remedy:
+    return Remedy(
+        "empty_cache",
+        "Empty the cache after every optimizer step",
+        "Gives cached blocks back to the driver each step, for other processes and for requests that need "
+        "one contiguous block, at the cost of slower steps. The allocator already empties its cache before "
+        "it gives up, so on its own this rarely keeps this process from running out.",
+        code="import torch\nfrom torch.optim.optimizer import register_optimizer_step_post_hook\n"
+        "register_optimizer_step_post_hook(lambda *args: torch.cuda.empty_cache())",
+        automatic=True,
+        saving=gap,
+        params={"every": "optimizer_step"},
+    )
+
+
+LAUNCH_BLOCKING = Remedy(
+    "launch_blocking",
+    "Find the real line: CUDA_LAUNCH_BLOCKING=1",
+    "Makes every kernel launch wait for its result, so the error is raised on the line that ran out. It "
+    "must be set before CUDA starts (restart the kernel, run it first) and slows everything: debugging only.",
+    code="%env CUDA_LAUNCH_BLOCKING=1\n# first cell after a kernel restart, then run up to the failing cell",
+)
+
+
+# --- what the process holds ----------------------------------------------------------------------------
+
+
+def free_leftovers(fig: Figures, names: list[str], freeable: int, device: str) -> Remedy:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    code = [f"del {', '.join(names)}", "import gc", "gc.collect()"]
+    if device.startswith("cuda"):
+        code += ["import torch", "torch.cuda.empty_cache()"]
+    return _made(
+        fig,
+        "free_leftovers",
+        f"Free {shown} ({fmt(freeable)})",
+        "These variables hold device memory and this cell does not read them (it rebuilds them or never "
+        "uses them). Deleting them, then gc and empty_cache, gives it back; check nothing later needs them.",
+        freeable,
+        code="\n".join(code),
+        automatic=True,
+        params={"names": names},
+    )
+
+
+def other_gpu(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
+    """Move to the GPU with the most free memory, if it has room for the whole demand plus the margin."""
+    if not ctx.other_gpus or fig.demand is None:
+        return None
+    idx, free = max(ctx.other_gpus, key=lambda g: g[1])
+    if free < fig.demand * (1 + MARGIN):
+        return None
+    available = fig.available
+    return _made(
+        fig,
+        "other_gpu",
+        f"Run on GPU {idx} ({fmt(free)} free)",
+        f"GPU {idx} has {fmt(free)} free, more than the {fmt(fig.demand)} this cell needs.",
+        free - available if available is not None else None,
+        code=f"%env CUDA_VISIBLE_DEVICES={idx}\n"
+        "# first cell after a kernel restart; or, without a restart, move the work there:\n"
+        f"import torch\ntorch.cuda.set_device({idx})\nmodel.to('cuda:{idx}')",
+        params={"index": idx},
+    )
+
+
+# --- the model -----------------------------------------------------------------------------------------
+
+_LOAD_4BIT = """import torch
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+quant = BitsAndBytesConfig(
+    load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16
+)
+model = AutoModelForCausalLM.from_pretrained(MODEL_ID, quantization_config=quant, device_map={"": 0})"""
+
+_QLORA = (
+    _LOAD_4BIT
+    + """
+from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+model = prepare_model_for_kbit_training(model)
+lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM")
+model = get_peft_model(model, lora)"""
+)
+
+_FSDP = """# train.py, run with: torchrun --nproc_per_node=NUM_GPUS train.py
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("nccl")
+torch.cuda.set_device(dist.get_rank())
+for block in model.model.layers:  # each transformer block
+    fully_shard(block)
+fully_shard(model)"""
+
+
+def smaller_model(ctx: DiagnosisContext, fig: Figures, state: int) -> list[Remedy | None]:
+    """bf16 weights, 4-bit loading (QLoRA when training), offload, several GPUs, another GPU."""
+    factor = TRAINING_STATE if fig.training else 1
+    hf = any(m.is_hf for m in ctx.models)
+    name = max(ctx.models, key=lambda m: m.param_bytes).name if ctx.models else "model"
+    out: list[Remedy | None] = []
+    fp32 = sum(m.param_bytes for m in ctx.models if _fp32(m.dtype))
+    if fp32:
+        why = "bfloat16 takes half the bytes of float32"
+        if fig.training:
+            why += (
+                " for weights, gradients and Adam moments. Pure bf16 training loses small updates; "
+                "mixed precision (autocast) keeps float32 weights."
+            )
+        code = "model = AutoModelForCausalLM.from_pretrained(MODEL_ID, torch_dtype=torch.bfloat16)"
+        code = code if hf else f"{name} = {name}.to(torch.bfloat16)"
+        out.append(_made(fig, "quantize", "bfloat16 weights", why + ".", fp32 * factor // 2, code=code))
+    if ctx.models:
+        four_bit = sum(m.param_bytes // (2 * ELEMENT_SIZE.get(m.dtype, 4)) for m in ctx.models)
+        if fig.training:
+            title, code = "QLoRA: 4-bit weights, train small adapters", _QLORA
+            why = "The frozen weights load in 4 bits; only the LoRA adapters get gradients and Adam moments."
+        else:
+            title, code = "Load the weights in 4-bit (or 8-bit)", _LOAD_4BIT
+            why = "bitsandbytes stores each weight in about half a byte (8-bit: one byte)."
+        out.append(_made(fig, "quantize", title, why, max(state - four_bit, 0), code=code))
+    if hf and not fig.training and fig.budget:
+        gib = max(int(fig.budget * (1 - MARGIN)) // 1024**3, 1)
+        out.append(
+            _made(
+                fig,
+                "offload",
+                "Offload layers to CPU memory (device_map='auto')",
+                "Accelerate keeps the layers that don't fit in CPU memory and moves each in when it runs: "
+                "it fits, but runs much slower.",
+                max(state - fig.budget, 0) or None,
+                code="model = AutoModelForCausalLM.from_pretrained(\n"
+                f'    MODEL_ID, device_map="auto", max_memory={{0: "{gib}GiB", "cpu": "64GiB"}}\n)',
+            )
+        )
+    if ctx.other_gpus and state:
+        n = 1 + len(ctx.other_gpus)
+        spread = 'model = AutoModelForCausalLM.from_pretrained(MODEL_ID, device_map="auto")'
+        out.append(
+            _made(
+                fig,
+                "multi_gpu",
+                f"Shard across the {n} GPUs",
+                "FSDP splits weights, gradients and optimizer state across GPUs (a script run by torchrun, "
+                "not a notebook cell)."
+                if fig.training
+                else "device_map='auto' spreads the layers over every visible GPU.",
+                state * (n - 1) // n,
+                code=_FSDP if fig.training else spread,
+            )
+        )
+    out.append(other_gpu(ctx, fig))
+    return out
+
+
+# --- the batch and its activations ---------------------------------------------------------------------
+
+
+def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc: int) -> Remedy:
+    """``guess.value`` → ``new`` with ``acc`` accumulation steps: a rewrite where the batch is a literal in
+    the cell, a rebinding of the variable otherwise."""
+    saving = fig.activations * (guess.value - new) // guess.value if fig.activations else None
+    new_source = rewrite_batch(ctx.source, guess, new, acc) if guess.where == "source" else None
+    title = f"Batch {guess.value} → {new}" + (f", accumulate {acc} steps" if acc > 1 else "")
+    why = (
+        f"The per-batch memory scales with {guess.name}. The estimate starts from what was in use when the "
+        "allocation failed; the step would have needed more, so the retry is the check."
+    )
+    code = changed_lines(ctx.source, new_source) if new_source else f"{guess.name} = {new}"
+    if acc > 1:
+        why += f" Accumulating gradients over {acc} steps keeps the effective batch at {new * acc}."
+        if not accumulates(ctx.source):
+            why += " This cell has no accumulation setting: the snippet shows the change to the loop."
+            code += "\n" + _accumulation_loop(acc, "Accelerator" in ctx.source)
+    return _made(
+        fig,
+        "batch",
+        title,
+        why,
+        saving,
+        code=code,
+        automatic=new_source is not None or guess.where != "source",
+        params={"name": guess.name, "old": guess.value, "new": new, "accumulate": acc, "where": guess.where},
+        new_source=new_source,
+    )
+
+
+def _accumulation_loop(acc: int, accelerate: bool) -> str:
+    if accelerate:
+        return (
+            f"accelerator = Accelerator(gradient_accumulation_steps={acc})\n"
+            "for batch in loader:\n    with accelerator.accumulate(model):\n"
+            "        loss = model(**batch).loss\n        accelerator.backward(loss)\n"
+            "        optimizer.step()\n        optimizer.zero_grad()"
+        )
+    return (
+        "for i, batch in enumerate(loader):\n"
+        f"    loss = model(**batch).loss / {acc}\n    loss.backward()\n"
+        f"    if (i + 1) % {acc} == 0:\n        optimizer.step()\n        optimizer.zero_grad()"
+    )
+
+
+def autocast(ctx: DiagnosisContext, fig: Figures) -> Remedy:
+    dtype = "bfloat16" if ctx.bf16_supported else "float16"
+    device_type = ctx.device.split(":")[0]
+    why = (
+        f"Matrix products run in {dtype} while the weights stay float32. Measured on GPT-2 training: "
+        f"peak −{AUTOCAST_SAVING:.0%}, three times faster."
+    )
+    if dtype == "float16" and fig.training:
+        why += (
+            " This GPU has no bfloat16: float16 training needs a GradScaler (in the snippet), or small "
+            "gradients underflow to zero."
+        )
+    if "TrainingArguments" in ctx.source:
+        code = f"TrainingArguments(..., {'bf16' if dtype == 'bfloat16' else 'fp16'}=True)"
+    elif dtype == "float16" and fig.training:
+        code = (
+            "scaler = torch.amp.GradScaler()\n"
+            f'with torch.autocast("{device_type}", dtype=torch.float16):\n    loss = model(**batch).loss\n'
+            "scaler.scale(loss).backward()\nscaler.step(optimizer)\nscaler.update()"
+        )
+    else:
+        code = f'with torch.autocast("{device_type}", dtype=torch.{dtype}):\n    ...  # the cell'
+    saving = int(fig.demand * AUTOCAST_SAVING) if fig.demand else None
+    return _made(
+        fig, "autocast", f"{dtype} autocast", why, saving, code=code, automatic=True, params={"dtype": dtype}
+    )
+
+
+def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
+    """None when every training model already checkpoints."""
+    todo = [m for m in ctx.models if m.is_training and not m.checkpointing_on]
+    if (ctx.models and not todo) or CHECKPOINTING_IN_SOURCE.search(ctx.source):
+        return None
+    saving = int(fig.activations * CHECKPOINTING_SAVING) if fig.activations else None
+    why = (
+        "Keeps only some activations and recomputes the rest during the backward pass. Measured on GPT-2: "
+        f"activations −{CHECKPOINTING_SAVING:.0%}, steps about 25% slower."
+    )
+    new_source = None
+    for func in ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig"):
+        new_source = new_source or set_call_keyword(ctx.source, func, "gradient_checkpointing", True)
+    new_source = new_source if new_source != ctx.source else None
+    # The retry switches it on through the namespace, so only top-level names of HF models qualify.
+    names = [m.name for m in todo if m.is_hf and m.supports_checkpointing and m.name.isidentifier()]
+    for name in names:
+        # The cell itself builds the model: the retry's model is a new one, so switch it on in the source.
+        new_source = new_source or insert_after_assignment(
+            ctx.source, name, f"{name}.gradient_checkpointing_enable()"
+        )
+    able = [m.name for m in todo if m.supports_checkpointing]
+    if new_source:
+        code = changed_lines(ctx.source, new_source)
+    elif able:
+        code = "\n".join(f"{n}.gradient_checkpointing_enable()\n{n}.config.use_cache = False" for n in able)
+    else:
+        code = (
+            "from torch.utils.checkpoint import checkpoint\n"
+            "# in the model's forward(), for each block:\n"
+            "x = checkpoint(block, x, use_reentrant=False)"
+        )
+    return _made(
+        fig,
+        "checkpointing",
+        "Gradient checkpointing",
+        why,
+        saving,
+        code=code,
+        automatic=bool(names) or new_source is not None,
+        params={"models": names},
+        new_source=new_source,
+    )
+
+
+# --- generation and input length -----------------------------------------------------------------------
+
+
+def generate_keyword(
+    ctx: DiagnosisContext, fig: Figures, keyword: str, old: int | None, new: int, saving: int | None
+) -> Remedy:
+    """``max_new_tokens`` or ``num_beams`` set to ``new`` in the cell's generate/pipeline calls."""
+    source = ctx.source
+    for func in calls_with_keyword(ctx.source, keyword) or ("generate",):
+        source = set_call_keyword(source, func, keyword, new) or source
+    new_source = source if source != ctx.source else None
+    if keyword == "num_beams":
+        title = f"num_beams {old} → 1 (greedy)"
+        why = f"Each beam keeps its own KV cache: {old} beams hold {old}× the cache of greedy decoding."
+    elif old is None:
+        title = f"Set max_new_tokens={new}"
+        why = (
+            "The cell does not set max_new_tokens, so the model's generation config decides how long it "
+            "runs; the figures can't say what a cap saves."
+        )
+    else:
+        title = f"max_new_tokens {old} → {new}"
+        why = "The KV cache grows with every generated token; the saving is an upper bound."
+    return _made(
+        fig,
+        keyword,
+        title,
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else f"model.generate(..., {keyword}={new})",
+        automatic=new_source is not None,
+        params={"keyword": keyword, "old": old, "new": new},
+        new_source=new_source,
+    )
+
+
+def truncate(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512) -> Remedy:
+    """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays)."""
+    source = ctx.source
+    for func in tokenizer_calls(ctx.source):
+        cut = set_call_keyword(source, func, "truncation", True)
+        source = (cut and set_call_keyword(cut, func, "max_length", max_length, replace=False)) or source
+    new_source = source if source != ctx.source else None
+    return _made(
+        fig,
+        "truncate",
+        f"Truncate inputs to {max_length} tokens",
+        f"Inputs longer than {max_length} tokens are cut to that length: pick the length your task needs.",
+        saving,
+        code=changed_lines(ctx.source, new_source)
+        if new_source
+        else f"tokenizer(texts, truncation=True, max_length={max_length})",
+        automatic=new_source is not None,
+        params={"max_length": max_length},
+        new_source=new_source,
+    )

@@ -1,0 +1,204 @@
+"""Reading the namespace for the diagnosis, with real torch tensors, modules and optimizers on the CPU."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from oommagic.cellrun import CellRun
+from oommagic.context import expandable_segments_on, free_names, gather_context
+from oommagic.diagnose import BatchGuess, diagnose
+
+FLOAT = 4
+
+
+def context(source: str, namespace: dict, **run):
+    return gather_context(CellRun(source=source, device="cpu", **run), namespace, None)
+
+
+def leftovers(ctx) -> dict[str, tuple[str, int]]:
+    return {lo.name: (lo.kind, lo.bytes) for lo in ctx.leftovers}
+
+
+def trained(model: nn.Module) -> torch.optim.Optimizer:
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.zeros(2, model.in_features)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_leftovers_sorted_by_bytes_with_their_kinds():
+    model = nn.Linear(100, 100)
+    ns = {
+        "small": torch.zeros(1000),
+        "big": torch.zeros(1_000_000),
+        "model": model,
+        "opt": trained(model),
+        "pair": [torch.zeros(500), torch.zeros(500)],
+    }
+    ctx = context("print('hello')\n", ns)
+    assert [lo.name for lo in ctx.leftovers] == ["big", "opt", "model", "small", "pair"]
+    held = leftovers(ctx)
+    assert held["big"] == ("tensor", 1_000_000 * FLOAT)
+    # params + buffers + grads; Adam: two moments per parameter plus the step counters.
+    assert held["model"] == ("module", 2 * (100 * 100 + 100) * FLOAT)
+    assert held["opt"][0] == "optimizer" and held["opt"][1] >= 2 * (100 * 100 + 100) * FLOAT
+    assert held["pair"] == ("container", 1000 * FLOAT)
+
+
+def test_views_are_not_counted_twice():
+    x = torch.zeros(1_000_000)
+    ns = {"x": x, "head": x[:10], "t": x.view(1000, 1000).t()}
+    assert sum(lo.bytes for lo in context("", ns).leftovers) == 1_000_000 * FLOAT
+
+
+def test_ipython_names_and_non_tensors_are_skipped():
+    ns = {
+        "_": torch.zeros(100),
+        "__": torch.zeros(100),
+        "_7": torch.zeros(100),
+        "_i7": "x = 1",
+        "Out": {7: torch.zeros(100)},
+        "In": ["", "x = 1"],
+        "torch": torch,
+        "lr": 3e-4,
+        "kept": torch.zeros(100),
+    }
+    assert [lo.name for lo in context("", ns).leftovers] == ["kept"]
+
+
+def test_containers_are_read_one_level_deep():
+    ns = {"flat": {"a": torch.zeros(100)}, "deep": [[torch.zeros(100)]]}
+    assert list(leftovers(context("", ns))) == ["flat"]
+
+
+def test_an_object_holding_a_model_and_optimizer_counts_as_a_container():
+    class Trainer:
+        def __init__(self) -> None:
+            self.model = nn.Linear(10, 10)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1)
+            self.name = "run"
+
+    ctx = context("trainer.train()\n", {"trainer": Trainer()})
+    assert leftovers(ctx) == {"trainer": ("container", (100 + 10) * FLOAT)}
+    assert [m.name for m in ctx.models] == ["trainer.model"]
+
+
+def test_models_are_listed_once_with_dtype_and_training_state():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    ns = {"model": model, "layer": model[0], "loss_fn": nn.CrossEntropyLoss()}
+    ctx = context("loss = model(x).sum()\nloss.backward()\n", ns)
+    assert len(ctx.models) == 1
+    info = ctx.models[0]
+    assert info.name == "model" and info.dtype == "bfloat16" and info.is_training
+    assert info.param_bytes == 2 * (64 * 64 + 64) * 2
+    assert not info.is_hf and not info.supports_checkpointing
+
+
+def test_a_model_in_eval_mode_or_without_backward_is_not_training():
+    model = nn.Linear(8, 8)
+    assert not context("y = model(x)\n", {"model": model}).models[0].is_training
+    model.eval()
+    assert not context("model(x).sum().backward()\n", {"model": model}).models[0].is_training
+
+
+def test_batch_found_through_the_namespace():
+    ctx = context("train(model, loader, bs)\n", {"bs": 32, "flag": True})
+    assert ctx.batch == BatchGuess("bs", 32, "namespace")
+    explicit = gather_context(CellRun(source="run(n)\n", device="cpu"), {"n": 8}, None, batch_name="n")
+    assert explicit.batch == BatchGuess("n", 8, "option")
+
+
+def test_generation_settings_read_from_the_source_and_namespace():
+    src = (
+        "enc = tokenizer(texts, truncation=True)\n"
+        "out = model.generate(**enc, max_new_tokens=n, num_beams=4)\n"
+    )
+    ctx = context(src, {"n": 300})
+    assert ctx.generation and ctx.max_new_tokens == 300 and ctx.num_beams == 4 and ctx.has_truncation
+    plain = context("out = model(x)\n", {})
+    assert not plain.generation and plain.max_new_tokens is None and not plain.has_truncation
+
+
+def test_training_arguments_flags_are_read():
+    src = "args = TrainingArguments('o', bf16=True, gradient_accumulation_steps=4)\ntrainer.train()\n"
+    ctx = context(src, {})
+    assert ctx.autocast_on and ctx.grad_accum_name == "gradient_accumulation_steps"
+
+
+def test_a_retry_under_autocast_counts_as_autocast_on():
+    assert context("y = model(x)\n", {}, change="bfloat16 autocast").autocast_on
+
+
+def test_run_figures_are_carried_over():
+    ctx = context("x = 1\n", {}, before_allocated=123, capacity=456, limit=400)
+    assert (ctx.before_allocated, ctx.capacity, ctx.limit, ctx.device) == (123, 456, 400, "cpu")
+    assert ctx.bf16_supported and ctx.other_gpus == () and ctx.processes == ()
+
+
+def test_expandable_segments_read_from_the_environment(monkeypatch):
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128,expandable_segments:True")
+    assert expandable_segments_on()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert not expandable_segments_on()
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert not expandable_segments_on()
+
+
+def test_free_names_gives_memory_back():
+    big = torch.zeros(2_000_000)
+    alive = weakref.ref(big)
+    ns = {"big": big, "keep": torch.zeros(10)}
+    del big
+
+    def held() -> int:
+        tensor = alive()
+        return tensor.untyped_storage().nbytes() if tensor is not None else 0
+
+    assert free_names(ns, ["big", "not_there"], measure=held) == 2_000_000 * FLOAT
+    gc.collect()
+    assert alive() is None
+    assert list(ns) == ["keep"]
+
+
+def test_free_names_never_reports_negative_bytes():
+    grows = iter([0, 100])
+    assert free_names({}, [], measure=lambda: next(grows)) == 0
+
+
+def test_context_feeds_the_diagnosis():
+    model = nn.Linear(256, 256)
+    ns = {"old": torch.zeros(50_000_000), "model": model, "batch_size": 64}
+    ctx = context(
+        "out = model(torch.zeros(batch_size, 256))\nout.sum().backward()\n", ns, before_allocated=201_000_000
+    )
+    found = diagnose(None, ctx)
+    left = next(f for f in found if f.key == "leftovers")
+    assert left.remedies[0].params == {"names": ["old"]}
+
+
+@pytest.mark.parametrize("name", ["x", "weights"])
+def test_a_leftover_holding_a_gradient_counts_it(name):
+    t = torch.zeros(1000, requires_grad=True)
+    t.sum().backward()
+    assert leftovers(context("", {name: t})) == {name: ("tensor", 2 * 1000 * FLOAT)}
+
+
+def test_a_global_read_by_a_function_the_cell_calls_is_in_use():
+    ns: dict = {"model": nn.Linear(4000, 4000), "stale": torch.zeros(20_000_000)}
+    exec("def train():\n    return helper()\n\ndef helper():\n    return model(None)\n", ns)
+    ctx = context("train()\n", ns)
+    assert {lo.name: lo.in_use for lo in ctx.leftovers} == {"model": True, "stale": False}
+    left = next(f for f in diagnose(None, ctx) if f.key == "leftovers")
+    assert left.remedies[0].params == {"names": ["stale"]} and "This cell uses model" in left.evidence
+
+
+def test_a_cuda_run_on_a_machine_without_cuda_gathers_without_raising():
+    ctx = gather_context(CellRun(source="y = model(x)\n", device="cuda:0"), {"x": torch.zeros(10)}, None)
+    assert ctx.leftovers == () and ctx.device == "cuda:0"
+    assert not torch.cuda.is_initialized()

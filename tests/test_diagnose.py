@@ -1,0 +1,546 @@
+"""The diagnosis: each rule fires on its evidence, names its numbers, stays quiet without it; ranking."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oommagic.diagnose import (
+    BatchGuess,
+    DiagnosisContext,
+    Finding,
+    Leftover,
+    ModelInfo,
+    Remedy,
+    diagnose,
+    figures,
+)
+from oommagic.oom import OOMReport
+from oommagic.timeline import Timeline
+
+MiB = 1024**2
+GiB = 1024**3
+CARD_24 = 24 * GiB
+H200 = int(139.80 * GiB)
+
+LOOP = """\
+batch_size = 64
+loader = DataLoader(ds, batch_size=batch_size)
+for batch in loader:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def _report(**figures) -> OOMReport:
+    return OOMReport(text="CUDA out of memory.", device="cuda", gpu_index=0, **figures)
+
+
+def fragmented_24() -> OOMReport:
+    """'needed 2.00 GiB more than the 24.00 GiB card had: 9.35 GiB of it reserved but unused'."""
+    return _report(
+        requested=2 * GiB,
+        capacity=CARD_24,
+        free=0,
+        allocated=int(13.65 * GiB),
+        reserved=int(23.00 * GiB),
+        reserved_unallocated=int(9.35 * GiB),
+        process_used=int(23.50 * GiB),
+    )
+
+
+def plain_24(requested: int = 2 * GiB, allocated: int = 22 * GiB) -> OOMReport:
+    """Out of memory on a 24 GiB card with a tidy cache: 1.5 GiB short."""
+    return _report(
+        requested=requested,
+        capacity=CARD_24,
+        free=GiB // 2,
+        allocated=allocated,
+        reserved=allocated + GiB,
+        reserved_unallocated=GiB,
+        process_used=allocated + GiB + GiB // 2,
+    )
+
+
+def gpt2(**kw) -> ModelInfo:
+    return ModelInfo("model", int(0.46 * GiB), "float32", **kw)
+
+
+def keys(findings: list[Finding]) -> list[str]:
+    return [f.key for f in findings]
+
+
+def finding(findings: list[Finding], key: str) -> Finding:
+    return next(f for f in findings if f.key == key)
+
+
+def remedy(f: Finding, kind: str) -> Remedy:
+    return next(r for r in f.remedies if r.kind == kind)
+
+
+# --- fragmentation --------------------------------------------------------------------------------------
+
+
+def test_fragmentation_offers_expandable_segments_live():
+    found = diagnose(fragmented_24(), DiagnosisContext(capacity=CARD_24))
+    frag = found[0]
+    assert frag.key == "fragmentation"
+    assert "9.35 GiB" in frag.evidence and "2.00 GiB" in frag.evidence and "23.00 GiB" in frag.evidence
+    live = remedy(frag, "expandable_segments")
+    assert live.automatic and live.saving == int(9.35 * GiB)
+    assert "covers the 2.00 GiB the failed request lacked" in live.explanation
+    split = remedy(frag, "max_split_size")
+    assert not split.automatic and "max_split_size_mb:1024" in split.code
+
+
+def test_fragmentation_quiet_when_little_is_cached():
+    assert "fragmentation" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24)))
+
+
+def test_fragmentation_says_when_expandable_segments_are_already_on():
+    found = diagnose(fragmented_24(), DiagnosisContext(capacity=CARD_24, expandable_segments_on=True))
+    frag = finding(found, "fragmentation")
+    assert "already on" in frag.evidence
+    assert [r.kind for r in frag.remedies] == ["max_split_size"]
+
+
+def test_fragmentation_says_plainly_when_it_is_not_enough():
+    report = _report(
+        requested=8 * GiB,
+        capacity=CARD_24,
+        free=0,
+        allocated=18 * GiB,
+        reserved=24 * GiB,
+        reserved_unallocated=6 * GiB,
+    )
+    frag = finding(diagnose(report, DiagnosisContext(capacity=CARD_24)), "fragmentation")
+    assert "not enough: the failed request lacked 8.00 GiB, 2.00 GiB more than this saves" in (
+        remedy(frag, "expandable_segments").explanation
+    )
+
+
+# --- other processes ------------------------------------------------------------------------------------
+
+
+def test_other_processes_named_with_their_memory_and_another_gpu_offered():
+    report = _report(
+        requested=40 * GiB,
+        capacity=H200,
+        free=int(3.29 * GiB),
+        allocated=70 * GiB,
+        reserved=72 * GiB,
+        reserved_unallocated=2 * GiB,
+        other_processes=((4242, 60 * GiB),),
+    )
+    ctx = DiagnosisContext(
+        capacity=H200, processes=((4242, "python3", 60 * GiB),), other_gpus=((1, 130 * GiB), (2, 20 * GiB))
+    )
+    other = finding(diagnose(report, ctx), "other_processes")
+    assert "PID 4242 (python3) holds 60.00 GiB" in other.evidence
+    assert other.saving == 60 * GiB
+    move = remedy(other, "other_gpu")
+    assert move.params == {"index": 1} and "CUDA_VISIBLE_DEVICES=1" in move.code
+    assert "130.00 GiB" in move.title
+
+
+def test_other_processes_say_when_no_other_gpu_has_room():
+    report = _report(requested=4 * GiB, capacity=CARD_24, free=0, allocated=10 * GiB, reserved=10 * GiB)
+    ctx = DiagnosisContext(
+        capacity=CARD_24, processes=((777, "jupyter-kernel", 12 * GiB),), other_gpus=((1, 8 * GiB),)
+    )
+    other = finding(diagnose(report, ctx), "other_processes")
+    assert other.remedies == ()
+    assert "No other GPU has room for the 14.00 GiB" in other.evidence and "8.00 GiB free" in other.evidence
+
+
+def test_other_processes_quiet_when_the_card_is_ours():
+    assert "other_processes" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24)))
+
+
+# --- leftovers ------------------------------------------------------------------------------------------
+
+
+def test_leftovers_listed_by_bytes_and_freed_unless_the_cell_reads_them():
+    ctx = DiagnosisContext(
+        source="out = model(batch)\nloss = out.loss\n",
+        capacity=CARD_24,
+        before_allocated=18 * GiB,
+        leftovers=(
+            Leftover("acts", "tensor", 4 * GiB),
+            Leftover("old_model", "module", 12 * GiB),
+            Leftover("model", "module", int(1.5 * GiB)),
+        ),
+    )
+    left = finding(diagnose(plain_24(), ctx), "leftovers")
+    assert left.evidence.index("old_model (module) 12.00 GiB") < left.evidence.index("acts (tensor) 4.00 GiB")
+    assert "18.00 GiB was allocated before the cell" in left.evidence
+    assert "This cell uses model" in left.evidence
+    free = remedy(left, "free_leftovers")
+    assert free.automatic and free.params == {"names": ["old_model", "acts"]}
+    assert free.saving == 16 * GiB and "del old_model, acts" in free.code
+
+
+def test_a_variable_the_cell_rebuilds_is_a_leftover():
+    ctx = DiagnosisContext(
+        source="model = AutoModelForCausalLM.from_pretrained(name).to('cuda')\n",
+        capacity=CARD_24,
+        before_allocated=13 * GiB,
+        leftovers=(Leftover("model", "module", 13 * GiB),),
+    )
+    free = remedy(finding(diagnose(plain_24(), ctx), "leftovers"), "free_leftovers")
+    assert free.params == {"names": ["model"]}
+
+
+def test_leftovers_quiet_without_memory_held_before():
+    assert "leftovers" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24)))
+
+
+def test_memory_held_by_nothing_in_the_namespace_is_said_plainly():
+    ctx = DiagnosisContext(capacity=CARD_24, before_allocated=10 * GiB)
+    left = finding(diagnose(plain_24(), ctx), "leftovers")
+    assert left.remedies == ()
+    assert "10.00 GiB of it is held by nothing in the namespace" in left.evidence and "Out" in left.evidence
+
+
+# --- too large ------------------------------------------------------------------------------------------
+
+
+def test_a_7b_model_in_float32_is_too_large_for_24_gib():
+    model = ModelInfo("model", 28_000_000_000, "float32", is_hf=True)
+    ctx = DiagnosisContext(capacity=CARD_24, models=(model,), generation=True)
+    found = diagnose(plain_24(requested=GiB // 2), ctx)
+    big = found[0]
+    assert big.key == "too_large"
+    assert "26.08 GiB of float32 weights" in big.evidence and "24.00 GiB card" in big.evidence
+    kinds = [r.kind for r in big.remedies]
+    assert kinds.count("quantize") == 2 and "offload" in kinds
+    bf16 = next(r for r in big.remedies if r.title == "bfloat16 weights")
+    assert bf16.saving == 14_000_000_000 and "torch_dtype=torch.bfloat16" in bf16.code
+    assert not any(r.automatic for r in big.remedies)
+
+
+def test_training_counts_gradients_and_adam_state():
+    model = ModelInfo(
+        "model", 12 * GiB, "bfloat16", is_hf=True, supports_checkpointing=True, is_training=True
+    )
+    ctx = DiagnosisContext(capacity=CARD_24, models=(model,), other_gpus=((1, 80 * GiB),))
+    big = finding(diagnose(plain_24(), ctx), "too_large")
+    assert "×4 for training" in big.evidence and "48.00 GiB" in big.evidence
+    qlora = next(r for r in big.remedies if r.kind == "quantize")
+    assert "get_peft_model" in qlora.code and qlora.saving == 45 * GiB
+    shard = remedy(big, "multi_gpu")
+    assert "torchrun" in shard.code and "fully_shard" in shard.code
+
+
+def test_one_request_larger_than_the_card():
+    found = diagnose(plain_24(requested=30 * GiB, allocated=GiB), DiagnosisContext(capacity=CARD_24))
+    assert found[0].key == "too_large"
+    assert "One request of 30.00 GiB is larger than the whole 24.00 GiB card" in found[0].evidence
+
+
+def test_too_large_quiet_for_a_model_that_fits():
+    ctx = DiagnosisContext(capacity=CARD_24, models=(gpt2(is_training=True),), source=LOOP)
+    assert "too_large" not in keys(diagnose(plain_24(), ctx))
+
+
+# --- activations ----------------------------------------------------------------------------------------
+
+
+def training_ctx(**kw) -> DiagnosisContext:
+    base = dict(
+        source=LOOP,
+        capacity=CARD_24,
+        before_allocated=int(0.46 * GiB),
+        models=(gpt2(is_training=True),),
+        batch=BatchGuess("batch_size", 64, "source"),
+    )
+    return DiagnosisContext(**{**base, **kw})
+
+
+def test_training_batch_halved_with_accumulation_keeping_the_effective_batch():
+    act = finding(diagnose(plain_24(), training_ctx()), "activations")
+    assert "The cell needed 24.00 GiB at its peak: 1.84 GiB that does not grow with the batch" in act.evidence
+    assert "about 22.16 GiB that does" in act.evidence and "per sample at batch_size=64" in act.evidence
+    batch = remedy(act, "batch")
+    assert batch.title == "Batch 64 → 32, accumulate 2 steps"
+    assert batch.params == {"name": "batch_size", "old": 64, "new": 32, "accumulate": 2, "where": "source"}
+    assert batch.automatic and batch.new_source == LOOP.replace("batch_size = 64", "batch_size = 32")
+    assert "effective batch at 64" in batch.explanation
+    # A plain loop: the accumulation is the person's change, shown in the snippet.
+    assert "loss = model(**batch).loss / 2" in batch.code
+    assert batch.saving == pytest.approx(22.16 * GiB / 2, rel=0.01)
+
+
+def test_training_arguments_get_their_accumulation_in_the_rewrite():
+    cell = "args = TrainingArguments('out', per_device_train_batch_size=16)\ntrainer.train()\n"
+    ctx = training_ctx(source=cell, batch=BatchGuess("per_device_train_batch_size", 16, "source"))
+    batch = remedy(finding(diagnose(plain_24(), ctx), "activations"), "batch")
+    assert batch.new_source == (
+        "args = TrainingArguments('out', per_device_train_batch_size=8, gradient_accumulation_steps=2)\n"
+        "trainer.train()\n"
+    )
+    assert "accumulation setting" not in batch.explanation
+
+
+def test_a_batch_held_in_the_namespace_is_rebound_not_rewritten():
+    ctx = training_ctx(source="train(model, loader, BATCH)\n", batch=BatchGuess("BATCH", 48, "namespace"))
+    batch = remedy(finding(diagnose(plain_24(), ctx), "activations"), "batch")
+    assert batch.new_source is None and batch.automatic and batch.code.startswith("BATCH = 24")
+
+
+def test_smaller_batch_follows_the_figures_when_half_is_not_enough():
+    # 20 GiB short of a 44 GiB step: half the batch would still not fit.
+    report = _report(requested=20 * GiB, capacity=CARD_24, free=0, allocated=24 * GiB, reserved=24 * GiB)
+    batch = remedy(finding(diagnose(report, training_ctx()), "activations"), "batch")
+    assert batch.params["new"] == 16 and batch.params["accumulate"] == 4
+
+
+def test_autocast_and_checkpointing_estimated_from_the_measurements():
+    act = finding(diagnose(plain_24(), training_ctx()), "activations")
+    auto = remedy(act, "autocast")
+    assert auto.automatic and auto.params == {"dtype": "bfloat16"}
+    assert auto.saving == int(24 * GiB * 0.16)
+    ckpt = remedy(act, "checkpointing")
+    assert ckpt.saving == pytest.approx(0.6 * 22.16 * GiB, rel=0.01)
+    # Not a transformers model: a snippet, not a button.
+    assert not ckpt.automatic and "torch.utils.checkpoint" in ckpt.code
+    assert [r.saving for r in act.remedies] == sorted((r.saving for r in act.remedies), reverse=True)
+
+
+def test_hf_model_checkpointing_is_a_button():
+    model = gpt2(is_training=True, is_hf=True, supports_checkpointing=True)
+    ckpt = remedy(
+        finding(diagnose(plain_24(), training_ctx(models=(model,))), "activations"), "checkpointing"
+    )
+    assert ckpt.automatic and ckpt.params == {"models": ["model"]}
+    assert "model.gradient_checkpointing_enable()" in ckpt.code
+
+
+def test_float16_autocast_carries_the_gradscaler_note_without_bf16():
+    auto = remedy(
+        finding(diagnose(plain_24(), training_ctx(bf16_supported=False)), "activations"), "autocast"
+    )
+    assert (
+        auto.params == {"dtype": "float16"} and "GradScaler" in auto.explanation and "GradScaler" in auto.code
+    )
+
+
+def test_activations_say_what_is_already_on():
+    model = gpt2(is_training=True, is_hf=True, supports_checkpointing=True, checkpointing_on=True)
+    act = finding(diagnose(plain_24(), training_ctx(models=(model,), autocast_on=True)), "activations")
+    assert "Autocast is already on" in act.evidence and "already on for model" in act.evidence
+    assert {r.kind for r in act.remedies} == {"batch"}
+
+
+def test_batch_of_one_cannot_shrink():
+    act = finding(diagnose(plain_24(), training_ctx(batch=BatchGuess("bs", 1, "source"))), "activations")
+    assert "A smaller bs cannot fit: it is already 1" in act.evidence
+    assert "batch" not in [r.kind for r in act.remedies]
+
+
+def test_growing_step_peaks_point_at_kept_tensors():
+    tl = Timeline(
+        t=(0.5, 1.5, 2.5, 3.5, 4.5),
+        allocated=(3 * GiB, 4 * GiB, 5 * GiB, 6 * GiB, 7 * GiB),
+        reserved=(8 * GiB,) * 5,
+        steps=(1.0, 2.0, 3.0, 4.0),
+    )
+    act = finding(diagnose(plain_24(), training_ctx(timeline=tl)), "activations")
+    assert "4.00 GiB → 5.00 GiB → 6.00 GiB → 7.00 GiB" in act.evidence and "loss.item()" in act.evidence
+
+
+def test_activations_quiet_for_a_cell_that_neither_trains_nor_batches():
+    ctx = DiagnosisContext(source="x = torch.randn(8192, 8192, device='cuda') @ w\n", capacity=CARD_24)
+    assert "activations" not in keys(diagnose(plain_24(), ctx))
+
+
+# --- generation and long samples ------------------------------------------------------------------------
+
+GENERATE = """\
+inputs = tokenizer(prompts, return_tensors="pt", padding=True).to("cuda")
+out = model.generate(**inputs, max_new_tokens=2048, num_beams=4)
+"""
+
+
+def generation_ctx(**kw) -> DiagnosisContext:
+    base = dict(
+        source=GENERATE,
+        capacity=CARD_24,
+        before_allocated=14 * GiB,
+        models=(ModelInfo("model", 14 * GiB, "bfloat16", is_hf=True),),
+        generation=True,
+        max_new_tokens=2048,
+        num_beams=4,
+    )
+    return DiagnosisContext(**{**base, **kw})
+
+
+def test_generation_lowers_tokens_and_beams_and_truncates_prompts():
+    gen = finding(diagnose(plain_24(), generation_ctx()), "generation")
+    assert "max_new_tokens=2048" in gen.evidence and "num_beams=4" in gen.evidence
+    assert "about 10.00 GiB that does" in gen.evidence
+    beams = remedy(gen, "num_beams")
+    assert beams.saving == int(10 * GiB * 3 / 4) and beams.automatic
+    assert beams.new_source == GENERATE.replace("num_beams=4", "num_beams=1")
+    tokens = remedy(gen, "max_new_tokens")
+    assert tokens.title == "max_new_tokens 2048 → 1024" and "max_new_tokens=1024" in tokens.new_source
+    cut = remedy(gen, "truncate")
+    assert "padding=True, truncation=True, max_length=512)" in cut.new_source
+    assert "activations" not in keys(diagnose(plain_24(), generation_ctx()))
+
+
+def test_generation_without_max_new_tokens_says_the_figures_cannot_tell():
+    cell = "out = model.generate(**inputs)\n"
+    gen = finding(
+        diagnose(plain_24(), generation_ctx(source=cell, max_new_tokens=None, num_beams=None)), "generation"
+    )
+    tokens = remedy(gen, "max_new_tokens")
+    assert tokens.saving is None and "can't say" in tokens.explanation
+    assert tokens.new_source == "out = model.generate(**inputs, max_new_tokens=256)\n"
+
+
+def test_generation_quiet_when_the_cell_does_not_generate():
+    assert "generation" not in keys(diagnose(plain_24(), training_ctx()))
+
+
+def steady_then_spike() -> Timeline:
+    # Five steps at ~12 GiB, then a batch that needs 20 GiB.
+    t, alloc = [], []
+    for step in range(6):
+        t += [step + 0.3, step + 0.6]
+        alloc += [8 * GiB, 12 * GiB + step * MiB]
+    return Timeline(
+        t=tuple(t), allocated=tuple(alloc), reserved=tuple(a + GiB for a in alloc), steps=(1, 2, 3, 4, 5)
+    )
+
+
+def test_one_unusually_long_batch_suggests_truncation():
+    source = "enc = tokenizer(batch_texts, padding=True)\nloss = model(**enc).loss\nloss.backward()\n"
+    report = plain_24(requested=8 * GiB, allocated=12 * GiB)
+    ctx = training_ctx(source=source, timeline=steady_then_spike(), batch=None)
+    long = finding(diagnose(report, ctx), "long_samples")
+    assert "The failing step needed 20.00 GiB, 1.7× the median" in long.evidence
+    assert "12.00 GiB" in long.evidence
+    cut = remedy(long, "truncate")
+    assert cut.new_source.startswith(
+        "enc = tokenizer(batch_texts, padding=True, truncation=True, max_length=512)"
+    )
+
+
+def test_long_samples_quiet_with_truncation_or_steady_steps():
+    report = plain_24(requested=8 * GiB, allocated=12 * GiB)
+    assert "long_samples" not in keys(
+        diagnose(report, training_ctx(timeline=steady_then_spike(), has_truncation=True))
+    )
+    steady = plain_24(requested=GiB // 2, allocated=12 * GiB)
+    assert "long_samples" not in keys(diagnose(steady, training_ctx(timeline=steady_then_spike())))
+
+
+# --- reserved churn, async errors, limits ---------------------------------------------------------------
+
+
+def churning() -> Timeline:
+    return Timeline(
+        t=(0.1, 0.2, 0.3, 0.4),
+        allocated=(2 * GiB, 8 * GiB, 3 * GiB, 6 * GiB),
+        reserved=(4 * GiB, 20 * GiB, 20 * GiB, 20 * GiB),
+    )
+
+
+def test_reserved_far_above_allocated_offers_empty_cache_every_step():
+    churn = finding(
+        diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, timeline=churning())), "reserved_churn"
+    )
+    assert "peaked at 20.00 GiB while allocated peaked at 8.00 GiB: 12.00 GiB" in churn.evidence
+    assert "but only 1.00 GiB at the error" in churn.evidence
+    empty = remedy(churn, "empty_cache")
+    assert empty.automatic and "register_optimizer_step_post_hook" in empty.code
+    assert "rarely keeps this process from running out" in empty.explanation
+
+
+def test_reserved_churn_quiet_when_fragmentation_explains_it():
+    found = diagnose(fragmented_24(), DiagnosisContext(capacity=CARD_24, timeline=churning()))
+    assert "reserved_churn" not in keys(found)
+
+
+def test_reserved_churn_quiet_when_reserved_follows_allocated():
+    tl = Timeline(t=(0.1, 0.2), allocated=(8 * GiB, 10 * GiB), reserved=(9 * GiB, 11 * GiB))
+    assert "reserved_churn" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, timeline=tl)))
+
+
+def test_driver_out_of_memory_comes_first_with_launch_blocking():
+    report = OOMReport(text="CUDA error: out of memory", device="cuda", source="driver")
+    found = diagnose(report, training_ctx())
+    assert found[0].key == "async_error"
+    blocking = found[0].remedies[0]
+    assert blocking.kind == "launch_blocking" and "CUDA_LAUNCH_BLOCKING=1" in blocking.code
+    assert "async_error" not in keys(diagnose(plain_24(), training_ctx()))
+
+
+def test_the_limit_ran_out_not_the_card():
+    report = _report(
+        requested=2 * GiB,
+        capacity=H200,
+        free=130 * GiB,
+        allocated=22 * GiB,
+        reserved=23 * GiB,
+        limit=CARD_24,
+        emulated=True,
+    )
+    found = diagnose(report, DiagnosisContext(capacity=H200, limit=CARD_24))
+    lim = finding(found, "limit")
+    assert (
+        "The 24.00 GiB limit ran out, not the card: the card has 139.80 GiB, 115.80 GiB beyond"
+        in lim.evidence
+    )
+    assert "--limit" in lim.evidence
+    assert figures(report, DiagnosisContext(capacity=H200, limit=CARD_24)).shortfall == 1 * GiB
+
+
+def test_limit_quiet_on_the_whole_card():
+    assert "limit" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24)))
+
+
+# --- ranking and records --------------------------------------------------------------------------------
+
+
+def test_findings_ranked_by_how_much_of_the_shortfall_they_cover():
+    ctx = training_ctx(
+        before_allocated=int(0.66 * GiB),
+        leftovers=(Leftover("probe", "tensor", 200 * MiB),),
+        timeline=churning(),
+    )
+    found = diagnose(fragmented_24(), ctx)
+    assert keys(found)[:2] == ["fragmentation", "activations"]
+    assert keys(found).index("leftovers") > keys(found).index("activations")
+    assert [f.score for f in found] == sorted((f.score for f in found), reverse=True)
+
+
+def test_a_finding_that_covers_the_shortfall_outranks_one_that_does_not():
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        before_allocated=3 * GiB,
+        leftovers=(Leftover("cache", "tensor", 3 * GiB),),
+        processes=((99, "python", GiB // 4),),
+    )
+    found = diagnose(plain_24(), ctx)
+    assert keys(found) == ["leftovers", "other_processes"]
+    assert found[0].score > found[1].score
+
+
+def test_no_report_means_only_rules_that_need_none():
+    found = diagnose(None, training_ctx())
+    assert "fragmentation" not in keys(found)
+    act = finding(found, "activations")
+    assert "don't say" in act.evidence
+
+
+def test_findings_round_trip_through_json():
+    found = diagnose(fragmented_24(), training_ctx(timeline=churning()))
+    assert found
+    for f in found:
+        data = json.loads(json.dumps(f.to_json()))
+        assert Finding.from_json(data) == f

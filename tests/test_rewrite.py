@@ -1,0 +1,266 @@
+"""Finding a cell's batch size and rewriting the cell without touching anything else."""
+
+from __future__ import annotations
+
+import ast
+
+from oommagic.rewrite import (
+    BatchGuess,
+    accumulates,
+    calls_with_keyword,
+    changed_lines,
+    find_batch,
+    names_read,
+    rewrite_batch,
+    set_call_keyword,
+    tokenizer_calls,
+    unified_diff,
+)
+
+TRAINER_CELL = """\
+args = TrainingArguments(
+    output_dir="out",
+    per_device_train_batch_size=16,
+    learning_rate=2e-5,  # warm-up is in the scheduler
+    bf16=True,
+)
+trainer = Trainer(model=model, args=args, train_dataset=ds)
+trainer.train()
+"""
+
+LOOP_CELL = """\
+%%time
+batch_size = 64
+loader = DataLoader(ds, batch_size=batch_size, shuffle=True)
+for batch in loader:
+    loss = model(**batch).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+
+
+def _outside(old: str, new: str, old_literal: str, new_literal: str) -> tuple[str, str]:
+    """Both sources with their changed literal cut out: what must stay byte-identical."""
+    i = old.index(old_literal)
+    j = new.index(new_literal)
+    return old[:i] + old[i + len(old_literal) :], new[:j] + new[j + len(new_literal) :]
+
+
+# --- find_batch ---------------------------------------------------------------------------------------
+
+
+def test_batch_found_in_an_assignment():
+    assert find_batch("batch_size = 64\ntrain(batch_size)\n") == BatchGuess("batch_size", 64, "source")
+
+
+def test_batch_found_in_a_dataloader_keyword():
+    guess = find_batch("loader = DataLoader(ds, batch_size=32, shuffle=True)\n")
+    assert guess == BatchGuess("batch_size", 32, "source")
+
+
+def test_batch_found_in_training_arguments():
+    assert find_batch(TRAINER_CELL) == BatchGuess("per_device_train_batch_size", 16, "source")
+
+
+def test_training_arguments_batch_wins_over_a_loose_bs():
+    cell = "bs = 64\n" + TRAINER_CELL
+    assert find_batch(cell).name == "per_device_train_batch_size"
+
+
+def test_batch_found_in_the_namespace_when_the_cell_only_reads_it():
+    guess = find_batch("loader = DataLoader(ds, batch_size=BATCH_SIZE)\n", {"BATCH_SIZE": 48, "epochs": 3})
+    assert guess == BatchGuess("BATCH_SIZE", 48, "namespace")
+
+
+def test_variable_behind_a_batch_keyword_counts_whatever_its_name():
+    guess = find_batch("loader = DataLoader(ds, batch_size=n)\n", {"n": 24})
+    assert guess == BatchGuess("n", 24, "namespace")
+
+
+def test_explicit_name_found_as_a_literal_in_the_source():
+    assert find_batch("per_gpu = 12\nrun(per_gpu)\n", name="per_gpu") == BatchGuess("per_gpu", 12, "source")
+
+
+def test_explicit_name_found_in_the_namespace():
+    assert find_batch("run(per_gpu)\n", {"per_gpu": 12}, name="per_gpu") == BatchGuess(
+        "per_gpu", 12, "option"
+    )
+
+
+def test_no_batch_when_there_is_none():
+    assert find_batch("x = torch.randn(1024, 1024, device='cuda')\n") is None
+    assert find_batch("run(per_gpu)\n", {}, name="per_gpu") is None
+
+
+def test_for_batch_in_loader_is_not_a_batch_size():
+    assert find_batch("for batch in loader:\n    step(batch)\n", {"batch": "not an int"}) is None
+
+
+def test_batch_found_in_a_cell_with_magics_and_shell_lines():
+    guess = find_batch(LOOP_CELL)
+    assert guess == BatchGuess("batch_size", 64, "source")
+
+
+# --- rewrite_batch ------------------------------------------------------------------------------------
+
+
+def test_rewrite_changes_only_the_literal():
+    new = rewrite_batch(LOOP_CELL, find_batch(LOOP_CELL), 32, accumulate=1)
+    assert new == LOOP_CELL.replace("batch_size = 64", "batch_size = 32")
+    assert _outside(LOOP_CELL, new, "= 64", "= 32")[0] == _outside(LOOP_CELL, new, "= 64", "= 32")[1]
+
+
+def test_magic_and_shell_lines_survive_a_rewrite():
+    cell = "%time x = 1\n!nvidia-smi\nfiles = !ls\nbatch_size = 8\nmodel?\n%env FOO=1\ntrain(batch_size)\n"
+    new = rewrite_batch(cell, BatchGuess("batch_size", 8), 4)
+    assert new == cell.replace("batch_size = 8", "batch_size = 4")
+
+
+def test_rewrite_keeps_non_ascii_text_and_comments_around_the_literal():
+    cell = 'titre = "entraînement — café"; bs = 64  # 🚀 lot\ntrain(bs)\n'
+    assert rewrite_batch(cell, BatchGuess("bs", 64), 16) == cell.replace("bs = 64", "bs = 16")
+
+
+def test_rewrite_of_a_keyword_inside_a_multiline_call():
+    new = rewrite_batch(TRAINER_CELL, find_batch(TRAINER_CELL), 8, accumulate=1)
+    assert new == TRAINER_CELL.replace("per_device_train_batch_size=16", "per_device_train_batch_size=8")
+
+
+def test_accumulation_added_to_training_arguments_on_its_own_line():
+    new = rewrite_batch(TRAINER_CELL, find_batch(TRAINER_CELL), 8, accumulate=2)
+    assert new == TRAINER_CELL.replace(
+        "    per_device_train_batch_size=16,\n",
+        "    per_device_train_batch_size=8,\n    gradient_accumulation_steps=2,\n",
+    )
+
+
+def test_accumulation_added_inline_in_a_one_line_call():
+    cell = "args = TrainingArguments('out', per_device_train_batch_size=32, num_train_epochs=1)\n"
+    new = rewrite_batch(cell, find_batch(cell), 16, accumulate=2)
+    assert new == (
+        "args = TrainingArguments('out', per_device_train_batch_size=16, gradient_accumulation_steps=2, "
+        "num_train_epochs=1)\n"
+    )
+
+
+def test_existing_accumulation_is_multiplied():
+    cell = "args = SFTConfig(per_device_train_batch_size=8, gradient_accumulation_steps=4)\n"
+    new = rewrite_batch(cell, find_batch(cell), 2, accumulate=4)
+    assert new == "args = SFTConfig(per_device_train_batch_size=2, gradient_accumulation_steps=16)\n"
+
+
+def test_accumulation_set_from_a_variable_assigned_in_the_cell_is_multiplied():
+    cell = (
+        "ga = 2\nbs = 32\n"
+        "args = TrainingArguments('o', per_device_train_batch_size=bs, gradient_accumulation_steps=ga)\n"
+    )
+    new = rewrite_batch(cell, find_batch(cell), 16, accumulate=2)
+    assert new.startswith("ga = 4\nbs = 16\n")
+
+
+def test_plain_training_loop_gets_no_invented_accumulation_code():
+    new = rewrite_batch(LOOP_CELL, find_batch(LOOP_CELL), 32, accumulate=2)
+    assert new == LOOP_CELL.replace("batch_size = 64", "batch_size = 32")
+    assert not accumulates(LOOP_CELL)
+    assert accumulates(TRAINER_CELL)
+
+
+def test_every_literal_of_the_batch_is_rewritten():
+    cell = "batch_size = 64\nloader = DataLoader(ds, batch_size=64)\n"
+    new = rewrite_batch(cell, find_batch(cell), 32)
+    assert new == "batch_size = 32\nloader = DataLoader(ds, batch_size=32)\n"
+
+
+def test_rewrite_returns_none_when_the_batch_is_not_a_literal():
+    cell = "loader = DataLoader(ds, batch_size=BATCH_SIZE)\n"
+    guess = find_batch(cell, {"BATCH_SIZE": 48})
+    assert rewrite_batch(cell, guess, 24, accumulate=2) is None
+
+
+def test_rewrite_keeps_windows_line_endings():
+    cell = "bs = 64\r\nargs = TrainingArguments(\r\n    per_device_train_batch_size=bs,\r\n)\r\n"
+    new = rewrite_batch(cell, find_batch(cell), 32, accumulate=2)
+    assert new == cell.replace("bs = 64", "bs = 32").replace(
+        "batch_size=bs,\r\n", "batch_size=bs,\r\n    gradient_accumulation_steps=2,\r\n"
+    )
+
+
+# --- keywords, diffs, reads ----------------------------------------------------------------------------
+
+
+def test_generate_keyword_replaced_where_passed():
+    cell = "out = model.generate(**inputs, max_new_tokens=1024, num_beams=4)\nprint(out)\n"
+    assert set_call_keyword(cell, "generate", "num_beams", 1) == cell.replace("num_beams=4", "num_beams=1")
+
+
+def test_generate_keyword_added_where_missing():
+    cell = "out = model.generate(**inputs)\n"
+    assert set_call_keyword(cell, "generate", "max_new_tokens", 256) == (
+        "out = model.generate(**inputs, max_new_tokens=256)\n"
+    )
+
+
+def test_keyword_added_to_a_call_without_arguments():
+    assert set_call_keyword("x = f()\n", "f", "k", True) == "x = f(k=True)\n"
+
+
+def test_truncation_added_to_the_tokenizer_call_and_existing_max_length_kept():
+    cell = "enc = tokenizer(texts, max_length=128, return_tensors='pt')\n"
+    with_trunc = set_call_keyword(cell, "tokenizer", "truncation", True)
+    assert set_call_keyword(with_trunc, "tokenizer", "max_length", 512, replace=False) == (
+        "enc = tokenizer(texts, max_length=128, return_tensors='pt', truncation=True)\n"
+    )
+
+
+def test_set_call_keyword_returns_none_without_such_a_call():
+    assert set_call_keyword("x = 1\n", "generate", "num_beams", 1) is None
+
+
+def test_tokenizer_calls_skip_str_encode():
+    cell = "enc = tokenizer(texts)\nids = tok.batch_encode_plus(more)\nraw = 'abc'.encode()\n"
+    assert tokenizer_calls(cell) == ("tokenizer", "tok.batch_encode_plus")
+
+
+def test_calls_with_keyword_find_pipelines():
+    assert calls_with_keyword("out = pipe(prompts, max_new_tokens=200)\n", "max_new_tokens") == ("pipe",)
+
+
+def test_unified_diff_shows_the_change():
+    diff = unified_diff("bs = 64\nrun(bs)\n", "bs = 32\nrun(bs)\n")
+    assert "-bs = 64" in diff and "+bs = 32" in diff and " run(bs)" in diff
+
+
+def test_changed_lines_are_what_to_copy():
+    old = TRAINER_CELL
+    new = rewrite_batch(old, find_batch(old), 8, accumulate=2)
+    assert changed_lines(old, new) == "per_device_train_batch_size=8,\ngradient_accumulation_steps=2,"
+
+
+def test_names_read_leave_out_what_the_cell_builds_afresh():
+    cell = "model = AutoModel.from_pretrained('gpt2')\nout = model(x)\nopt = make(optimizer)\n"
+    assert names_read(cell) == {"AutoModel", "x", "make", "optimizer"}
+
+
+def test_names_read_count_a_rebinding_that_reads_first():
+    assert "model" in names_read("model = model.to('cuda')\n")
+
+
+def test_rewritten_cells_still_parse():
+    new = rewrite_batch(TRAINER_CELL, find_batch(TRAINER_CELL), 4, accumulate=4)
+    ast.parse(new)
+
+
+def test_names_on_ipython_lines_count_as_read():
+    assert "trainer" in names_read("%time trainer.train()\nx = 1\n")
+
+
+def test_a_statement_goes_after_the_cells_own_assignment():
+    from oommagic.rewrite import insert_after_assignment
+
+    source = "%time x = 1\nmodel = Model(\n    width=4)\ntrain(model)"
+    new = insert_after_assignment(source, "model", "model.gradient_checkpointing_enable()")
+    assert new == (
+        "%time x = 1\nmodel = Model(\n    width=4)\nmodel.gradient_checkpointing_enable()\ntrain(model)"
+    )
+    assert insert_after_assignment("train(model)", "model", "model.x()") is None
