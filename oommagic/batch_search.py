@@ -40,8 +40,10 @@ class BatchSearch:
         p.text(self.summary())
 
     def summary(self) -> str:
-        lines = [f"largest {self.name} that fits {format_bytes(self.budget)}: {self.best} "
-                 f"({len(self.trials)} trials)"]
+        lines = [
+            f"largest {self.name} that fits {format_bytes(self.budget)}: {self.best} "
+            f"({len(self.trials)} trials)"
+        ]
         for i, t in enumerate(self.trials, 1):
             status = f"peak reserved {format_bytes(t.peak_reserved)}" if t.fits else "out of memory"
             lines.append(f"  {i}. {t.role:<7} {self.name}={t.batch:<6} {status}")
@@ -110,8 +112,17 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
         source = rewrite_batch(spec.source, guess, batch, accumulate=1) or spec.source
         shell.user_ns[name] = batch
         with capture_output():
-            run = execute(shell, RunSpec(source=source, device=spec.device, limit=spec.limit,
-                                         options=spec.options, change=f"{name}={batch}", record=False))
+            run = execute(
+                shell,
+                RunSpec(
+                    source=source,
+                    device=spec.device,
+                    limit=spec.limit,
+                    options=spec.options,
+                    change=f"{name}={batch}",
+                    record=False,
+                ),
+            )
         _restore_namespace(shell.user_ns, saved)
         collect(run.device)
         if run.outcome == "error":
@@ -143,7 +154,11 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
 
 
 def _int_names(ns: dict) -> dict[str, int]:
-    return {k: v for k, v in ns.items() if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_")}
+    return {
+        k: v
+        for k, v in ns.items()
+        if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_")
+    }
 
 
 def _restore_namespace(ns: dict, saved: dict) -> None:

@@ -262,7 +262,11 @@ def _attach_oom_observer() -> None:
     attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
     if attach is not None:
         try:
-            attach(lambda device, requested, allowed, free: _oom_events.append((device, requested, allowed, free)))
+            attach(
+                lambda device, requested, allowed, free: _oom_events.append(
+                    (device, requested, allowed, free)
+                )
+            )
         except RuntimeError:
             # cudaMallocAsync has no observer; the message still carries the figures.
             return
@@ -327,7 +331,10 @@ class CudaRecorder:
         try:
             stats = torch.cuda.memory_stats(self.index)
             self._peak = (stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0))
-            self._after = (stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0))
+            self._after = (
+                stats.get("allocated_bytes.all.current", 0),
+                stats.get("reserved_bytes.all.current", 0),
+            )
             # Turning recording off clears the history: take the snapshot first.
             self._snapshot = torch.cuda.memory._snapshot()
         finally:
@@ -411,10 +418,17 @@ def cuda_timeline(
         t.append((when - start_us) / 1e6)
         a.append(allocated)
         r.append(reserved)
-    truncated = len(entries) >= CUDA_TRACE_ENTRIES and bool(entries) and entries[0].get("time_us", 0) > start_us
+    truncated = (
+        len(entries) >= CUDA_TRACE_ENTRIES and bool(entries) and entries[0].get("time_us", 0) > start_us
+    )
     return Timeline(
-        t=tuple(t), allocated=tuple(a), reserved=tuple(r), steps=tuple(steps), oom_at=oom_at,
-        truncated=truncated, events=len(t) - 1,
+        t=tuple(t),
+        allocated=tuple(a),
+        reserved=tuple(r),
+        steps=tuple(steps),
+        oom_at=oom_at,
+        truncated=truncated,
+        events=len(t) - 1,
     )
 
 

@@ -129,7 +129,11 @@ def oom_headline(report: OOMReport, budget: int | None) -> str:
     if req is None:
         return f"out of memory on {report.device or 'the device'}"
     short = req - report.free if report.free is not None else req
-    card = f"the {format_bytes(cap)} {'limit' if report.limit or report.emulated else 'card'}" if cap else "the card"
+    card = (
+        f"the {format_bytes(cap)} {'limit' if report.limit or report.emulated else 'card'}"
+        if cap
+        else "the card"
+    )
     line = f"needed {format_bytes(max(short, 0) or req)} more than {card} had"
     if report.reserved_unallocated:
         line += f": {format_bytes(report.reserved_unallocated)} of it reserved but unused"

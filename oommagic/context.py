@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import types
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -307,7 +308,7 @@ def _model_info(name: str, module: Any, param_bytes: int, trains: bool, checkpoi
         is_hf=hf,
         supports_checkpointing=hasattr(module, "gradient_checkpointing_enable")
         and bool(getattr(module, "supports_gradient_checkpointing", True)),
-        checkpointing_on=checkpointing or bool(getattr(module, "is_gradient_checkpointing", False)),
+        checkpointing_on=checkpointing or checkpointing_enabled(module),
         is_training=bool(module.training and requires_grad and trains),
     )
 
@@ -338,6 +339,16 @@ def _keyword_int(source: str, keyword: str, ints: dict[str, int]) -> int | None:
 
 
 # --- the machine --------------------------------------------------------------------------------------
+
+
+def checkpointing_enabled(module: Any) -> bool:
+    """Whether an HF model checkpoints; transformers 5 renamed the flag (the old one warns)."""
+    for flag in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if flag in dir(type(module)):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return bool(getattr(module, flag, False))
+    return False
 
 
 def _bf16_supported(device: Any) -> bool:

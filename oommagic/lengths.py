@@ -55,7 +55,9 @@ def _quantile(sorted_values: Sequence[int], q: float) -> int:
     return sorted_values[idx]
 
 
-def summarize_lengths(samples: Iterable, quantile: float = 0.99, max_length: int | None = None) -> LengthSummary:
+def summarize_lengths(
+    samples: Iterable, quantile: float = 0.99, max_length: int | None = None
+) -> LengthSummary:
     """Quantiles and outliers; the cutoff is ``max_length`` if given, else the ``quantile`` length."""
     lengths = lengths_of(samples)
     if not lengths:

@@ -119,14 +119,18 @@ class GpuMemMagics(Magics):
         """
         if cell is None:
             if line.strip():
-                raise UsageError(f"%gpumem takes no options (got {line.strip()!r}); %%gpumem is the cell magic")
+                raise UsageError(
+                    f"%gpumem takes no options (got {line.strip()!r}); %%gpumem is the cell magic"
+                )
             print(device_status())
             return None
         try:
             args = parse_argstring(self.gpumem, line)
         except UsageError as err:
-            raise UsageError(f"{err}. Options: --limit, --device, --quiet, --no-raise, --text, --batch, "
-                             "--find-batch, -o NAME (see %%gpumem?)") from None
+            raise UsageError(
+                f"{err}. Options: --limit, --device, --quiet, --no-raise, --text, --batch, "
+                "--find-batch, -o NAME (see %%gpumem?)"
+            ) from None
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o expects a Python name, got {args.output!r}")
         limit = parse_limit(args.limit)

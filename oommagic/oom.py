@@ -182,7 +182,9 @@ class _Page:
         """``flat[start:end]`` with its removed line breaks put back."""
         pieces = []
         at = start
-        for cut in self.breaks[bisect.bisect_right(self.breaks, start) : bisect.bisect_left(self.breaks, end)]:
+        for cut in self.breaks[
+            bisect.bisect_right(self.breaks, start) : bisect.bisect_left(self.breaks, end)
+        ]:
             pieces.append(self.flat[at:cut])
             at = cut
         pieces.append(self.flat[at:end])
@@ -199,7 +201,11 @@ def _size(match: re.Match, group: int = 1) -> int:
 
 _DEVICE_NAMES = {"CUDA": "cuda", "HIP": "hip", "XPU": "xpu", "CPU": "cpu"}
 _ALLOCATOR = re.compile(
-    r"(CUDA|HIP|XPU|CPU)\s*" + _words("out of memory") + r"\s*(?:\.|\(\s*" + _words("emulated by oommagic") + ")"
+    r"(CUDA|HIP|XPU|CPU)\s*"
+    + _words("out of memory")
+    + r"\s*(?:\.|\(\s*"
+    + _words("emulated by oommagic")
+    + ")"
 )
 # A message whose first words were cut off still shows the allocator's figures.
 _ALLOCATOR_HEADLESS = re.compile(
@@ -214,7 +220,9 @@ _REQUESTED = re.compile(_words("Tried to allocate") + r"\s*" + _SIZE)
 _OLD_FIGURES = re.compile(
     _words("Tried to allocate") + r"\s*" + _SIZE + r"\s*\(\s*GPU\s*(\d{1,5})\s*;([^()\n]{0,600})(\))?"
 )
-_OLD_ITEM = re.compile(r"\s*" + _SIZE + r"\s*(total\s*capacity|already\s*allocated|free|allowed|reserved|cached)")
+_OLD_ITEM = re.compile(
+    r"\s*" + _SIZE + r"\s*(total\s*capacity|already\s*allocated|free|allowed|reserved|cached)"
+)
 # PyTorch >= 2.1 ("capacty" in 2.1).
 _GPU_INDEX = re.compile(r"(?:GPU|CPU|XPU|Device)\s*(\d{1,5})\s*" + _words("has a total") + r"\s*capaci?ty")
 _CAPACITY = re.compile(_words("has a total") + r"\s*capaci?ty\s*of\s*" + _SIZE)
@@ -222,7 +230,9 @@ _FREE = re.compile(_words("of which") + r"\s*" + _SIZE + r"\s*is\s*free")
 _PROCESS_USED = re.compile(_words("this process has") + r"\s*" + _SIZE + r"\s*" + _words("memory in use"))
 _OTHER_PROCESS = re.compile(r"Process\s*(\d{1,10})\s*has\s*" + _SIZE + r"\s*" + _words("memory in use"))
 _ALLOWED = re.compile(_LEAD + _SIZE + r"\s*allowed")
-_ALLOCATED = re.compile(_words("Of the allocated memory") + r"\s*" + _SIZE + r"\s*" + _words("is allocated by"))
+_ALLOCATED = re.compile(
+    _words("Of the allocated memory") + r"\s*" + _SIZE + r"\s*" + _words("is allocated by")
+)
 _UNALLOCATED = re.compile(r"and\s*" + _SIZE + r"\s*" + _words("is reserved by PyTorch but unallocated"))
 _HINT = re.compile(
     r"[.)]?\s*(?:If\s*reserved|Please\s*use|Use\s*PYTORCH_MPS)[^\n]{0,600}?"
@@ -391,7 +401,9 @@ def _read_mps(page: _Page) -> OOMReport | None:
 #   PyTorch limit (set by user-supplied memory fraction)
 #                           : 17179869184.00 GiB
 
-_ASYNC = re.compile(_words("Allocation on device") + r"\s*(\d{1,5})\s*" + _words("would exceed allowed memory"))
+_ASYNC = re.compile(
+    _words("Allocation on device") + r"\s*(\d{1,5})\s*" + _words("would exceed allowed memory")
+)
 _ASYNC_FIGURES = {
     "allocated": re.compile(_words("Currently allocated") + r"\s*:\s*" + _SIZE),
     "requested": re.compile(r"Requested\s*:\s*" + _SIZE),
@@ -424,7 +436,10 @@ def _read_async(page: _Page) -> OOMReport | None:
 # XLA (JAX, PyTorch/XLA, TensorFlow with XLA), on GPU and TPU
 
 _XLA_BYTES = re.compile(
-    _words("Out of memory") + r"\s*(?:" + _words("while trying to allocate") + r"|allocating)\s*(\d{1,30})\s*bytes"
+    _words("Out of memory")
+    + r"\s*(?:"
+    + _words("while trying to allocate")
+    + r"|allocating)\s*(\d{1,30})\s*bytes"
 )
 _XLA_REQUEST = re.compile(
     _words("Failed to allocate request for")
@@ -461,7 +476,9 @@ _XLA_COMPILE = re.compile(
 def _read_xla(page: _Page) -> OOMReport | None:
     flat = page.flat
     if match := _XLA_BYTES.search(flat):
-        return OOMReport(text=page.text(match.start(), match.end()), requested=int(match.group(1)), source="xla")
+        return OOMReport(
+            text=page.text(match.start(), match.end()), requested=int(match.group(1)), source="xla"
+        )
     if match := _XLA_REQUEST.search(flat):
         return OOMReport(
             text=page.text(match.start(), match.end()),
@@ -530,7 +547,10 @@ _TF_BFC = re.compile(
     + r"(?:\s*\(\s*rounded\s*to\s*(\d{1,30})\s*\))?"
 )
 _TF_NOT_FAILURE = re.compile(_words("not a failure"))
-_TF_GENERIC = re.compile(r"(?:ResourceExhaustedError|RESOURCE_EXHAUSTED|Resource\s*exhausted)\s*:\s*" + _words("failed to allocate memory"))
+_TF_GENERIC = re.compile(
+    r"(?:ResourceExhaustedError|RESOURCE_EXHAUSTED|Resource\s*exhausted)\s*:\s*"
+    + _words("failed to allocate memory")
+)
 _TF_INDEX = re.compile(r"GPU_(\d{1,5})_")
 
 
@@ -589,7 +609,9 @@ _CPU = re.compile(
 
 def _read_cpu(page: _Page) -> OOMReport | None:
     if match := _CPU.search(page.flat):
-        return OOMReport(text=page.text(match.start(), match.end()), device="cpu", requested=int(match.group(1)))
+        return OOMReport(
+            text=page.text(match.start(), match.end()), device="cpu", requested=int(match.group(1))
+        )
     return None
 
 
@@ -613,7 +635,11 @@ _DRIVER = (
     (re.compile(r"hipErrorOutOfMemory"), "hip"),
 )
 _LIBRARIES = (
-    (re.compile(r"(?i:CUDNN_STATUS_(?:ALLOC_FAILED|INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED))"), "cuda", "cudnn"),
+    (
+        re.compile(r"(?i:CUDNN_STATUS_(?:ALLOC_FAILED|INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED))"),
+        "cuda",
+        "cudnn",
+    ),
     (re.compile(r"(?i:CUDNN_STATUS_INTERNAL_ERROR_HOST_ALLOCATION_FAILED)"), "cpu", "cudnn"),
     (re.compile(r"(?i:CUBLAS_STATUS_ALLOC_FAILED)"), "cuda", "cublas"),
     (re.compile(r"(?i:HIPBLAS_STATUS_ALLOC_FAILED|rocblas_status_memory_error)"), "hip", "cublas"),
@@ -625,7 +651,10 @@ def _read_driver(page: _Page) -> OOMReport | None:
     flat = page.flat
     if match := _DRIVER_BYTES.search(flat):
         return OOMReport(
-            text=page.text(match.start(), match.end()), device="cuda", requested=int(match.group(3)), source="driver"
+            text=page.text(match.start(), match.end()),
+            device="cuda",
+            requested=int(match.group(3)),
+            source="driver",
         )
     for regex, device in _DRIVER:
         if match := regex.search(flat):

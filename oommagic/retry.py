@@ -109,12 +109,14 @@ def _empty_cache_every_step() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _checkpointing(ns: dict, names: list[str]) -> Iterator[None]:
+    from .context import checkpointing_enabled
+
     switched = []
     try:
         for name in names:
             model = ns.get(name)
             if model is not None and hasattr(model, "gradient_checkpointing_enable"):
-                if not getattr(model, "is_gradient_checkpointing", False):
+                if not checkpointing_enabled(model):
                     model.gradient_checkpointing_enable()
                     switched.append(model)
         yield

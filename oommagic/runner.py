@@ -145,7 +145,9 @@ def _report(exc: BaseException, exact: dict[str, int]) -> OOMReport:
     if report is None:
         return OOMReport(text=text, source="unknown")
     if exact and (report.emulated or report.source == "allocator"):
-        report = replace(report, **{k: v for k, v in exact.items() if getattr(report, k) is not None or report.emulated})
+        report = replace(
+            report, **{k: v for k, v in exact.items() if getattr(report, k) is not None or report.emulated}
+        )
     return report
 
 

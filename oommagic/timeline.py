@@ -42,7 +42,11 @@ class Timeline:
         keep: list[int] = []
         for start in range(0, n, per):
             idx = range(start, min(start + per, n))
-            picked = {start, max(idx, key=self.allocated.__getitem__), min(idx, key=self.allocated.__getitem__)}
+            picked = {
+                start,
+                max(idx, key=self.allocated.__getitem__),
+                min(idx, key=self.allocated.__getitem__),
+            }
             picked.add(max(idx, key=self.reserved.__getitem__))
             keep.extend(sorted(picked))
         if keep[-1] != n - 1:

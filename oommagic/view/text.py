@@ -12,7 +12,10 @@ def figures(run: CellRun) -> list[tuple[str, str]]:
     rows += [
         ("peak allocated", format_bytes(run.peak_allocated)),
         ("peak reserved", format_bytes(run.peak_reserved)),
-        ("held before → after", f"{format_bytes(run.before_allocated)} → {format_bytes(run.after_allocated)}"),
+        (
+            "held before → after",
+            f"{format_bytes(run.before_allocated)} → {format_bytes(run.after_allocated)}",
+        ),
     ]
     if run.capacity is not None:
         rows.append(("capacity", format_bytes(run.capacity)))

@@ -14,8 +14,12 @@ from ..sizes import format_bytes
 from .plot import timeline_png
 from .text import figures, render_text
 
-_STATUS = {"ok": ("ok", "#2e7d32"), "oom": ("out of memory", "#c0392b"), "error": ("error", "#c0392b"),
-           "interrupted": ("interrupted", "#888")}
+_STATUS = {
+    "ok": ("ok", "#2e7d32"),
+    "oom": ("out of memory", "#c0392b"),
+    "error": ("error", "#c0392b"),
+    "interrupted": ("interrupted", "#888"),
+}
 
 
 def _esc(text: object) -> str:
@@ -40,10 +44,14 @@ def figures_html(run: CellRun) -> str:
 
 def finding_html(finding: Any) -> str:
     saving = f" — saves ~{format_bytes(finding.saving)}" if finding.saving else ""
-    parts = [f"<div><b>{_esc(finding.title)}</b>{_esc(saving)}</div>",
-             f"<div style='color:#444'>{_esc(finding.evidence)}</div>"]
+    parts = [
+        f"<div><b>{_esc(finding.title)}</b>{_esc(saving)}</div>",
+        f"<div style='color:#444'>{_esc(finding.evidence)}</div>",
+    ]
     for remedy in finding.remedies:
-        parts.append(f"<div style='margin-top:0.3em'>• <b>{_esc(remedy.title)}</b>: {_esc(remedy.explanation)}</div>")
+        parts.append(
+            f"<div style='margin-top:0.3em'>• <b>{_esc(remedy.title)}</b>: {_esc(remedy.explanation)}</div>"
+        )
         if remedy.code:
             parts.append(f"<pre style='margin:0.2em 0 0 1em;font-size:0.9em'>{_esc(remedy.code)}</pre>")
     return "".join(parts)
@@ -79,8 +87,9 @@ class ReportWidget:
         self.attempts = w.HTML()
         self.buttons: list[Any] = []
         self._remedies: dict[Any, Any] = {}
-        self.root = w.VBox([self.headline, self.table, self.plot, self.findings, self.output, self.result,
-                            self.attempts])
+        self.root = w.VBox(
+            [self.headline, self.table, self.plot, self.findings, self.output, self.result, self.attempts]
+        )
         self.root.add_class("oommagic-report")
         self.show(run)
 
@@ -101,8 +110,9 @@ class ReportWidget:
             for remedy in finding.remedies:
                 if not remedy.automatic:
                     continue
-                button = w.Button(description=_short(remedy.title), tooltip=remedy.title,
-                                  layout=w.Layout(width="auto"))
+                button = w.Button(
+                    description=_short(remedy.title), tooltip=remedy.title, layout=w.Layout(width="auto")
+                )
                 button.add_class("oommagic-fix")
                 button.add_class(f"oommagic-fix-{remedy.kind.replace('_', '-')}")
                 button.on_click(lambda b, r=remedy, src=run: self.retry(b, src, r))
