@@ -137,7 +137,7 @@ _PREFIX = re.compile(
       | [IWEFD]\d{4}[ ]\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:[ ]+\d{1,9})?   # glog: E0323 21:57:08.583 23
       | \d\d:\d\d:\d\d(?:[.,]\d{1,9})?:?                           # bare time
       | (?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL|TRACE)(?::[\w.]{0,40}:|:|\b)   # levels, ERROR:root:
-      | \((?:\w{1,40}[ ]+)?[\w.-]{1,40}=[\w.:-]{1,40}(?:,?[ ]+[\w.-]{1,40}=[\w.:-]{1,40}){0,4}\)   # Ray, vLLM: (Worker pid=9, ip=…)
+      | \((?:\w{1,40}[ ]+)?[\w.-]{1,40}=[\w.:-]{1,40}(?:,?[ ]+[\w.-]{1,40}=[\w.:-]{1,40}){0,4}\)   # Ray, vLLM
       | \[?[\w./\\:-]{0,200}\.(?:py|cc|cpp|cu|c|h|hpp):\d{1,6}\]   # glog / vLLM source: [core.py:330]
       | [\w.-]{1,40}[ ]+\|(?=[ ])                                  # docker compose: sglang-1  |
     )[ \t]?""",
@@ -148,7 +148,8 @@ _PREFIX = re.compile(
 class _Page:
     """The text, cleaned and with its lines joined; ``flat`` is what the patterns search.
 
-    A blank line (a paragraph break) stays as "\\n", so a message never runs on into the next paragraph.
+    An empty line, or one that held only a log prefix, is a paragraph break and stays as "\\n", so a message
+    never runs on into the next paragraph; a line of spaces is a wrapped run of spaces and is dropped.
     ``breaks`` remembers where line breaks were removed, to give them back in ``OOMReport.text``.
     """
 
@@ -211,7 +212,7 @@ _ALLOCATOR = re.compile(
 _ALLOCATOR_HEADLESS = re.compile(
     _words("Tried to allocate") + r"\s*" + _SIZE + r"\s*(?:\(\s*GPU\s*\d|\.\s*GPU\s*\d{1,5}\s*has)"
 )
-# Intel's extension refuses single blocks over 4 GB in the same words; that is a size limit, not a full device.
+# Intel's extension refuses single blocks over 4 GB in the same words: a size limit, not a full device.
 _BLOCK_LIMIT = re.compile(_words("can NOT allocate memory block"))
 
 _EMULATED_LIMIT = re.compile(r"%%gpumem\s*--limit\s*" + _SIZE)
@@ -360,7 +361,7 @@ def _read_allocator(page: _Page) -> OOMReport | None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Apple MPS: "MPS backend out of memory (MPS allocated: X, other allocations: Y, max allowed: Z). Tried to ..."
+# Apple MPS: "MPS backend out of memory (MPS allocated: X, other allocations: Y, max allowed: Z). Tried ..."
 
 _MPS = re.compile(_words("MPS backend out of memory"))
 _MPS_ALLOCATED = re.compile(_words("MPS allocated:") + r"\s*" + _SIZE)

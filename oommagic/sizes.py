@@ -80,10 +80,11 @@ _REPORTED = re.compile(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([A-Za-z]{1,5})\s*")
 
 
 def parse_reported_size(text: str) -> int:
-    """Return the bytes in a size as an error message prints it: ``8.00 GiB``, ``0 bytes``, ``12.5 MB``, ``129.50M``.
+    """Return the bytes in a size as an error message prints it: ``8.00 GiB``, ``0 bytes``, ``129.50M``.
 
-    All units are powers of 1024 (see ``REPORTED_UNITS``). The value is rounded half to even from its exact decimal
-    value, so ``1.95 GiB`` is ``round(1.95 * 1024**3)`` = 2093796557. Raises ``ValueError`` on anything else.
+    All units are powers of 1024 (see ``REPORTED_UNITS``). The value is rounded half to even from its exact
+    decimal value, so ``1.95 GiB`` is ``round(1.95 * 1024**3)`` = 2093796557. Raises ``ValueError`` on
+    anything else.
     """
     match = _REPORTED.fullmatch(text)
     if not match or match.group(2) not in REPORTED_UNITS:

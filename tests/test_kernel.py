@@ -18,7 +18,11 @@ def execute(nb, allow_errors=False, timeout=600):
     env_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     os.environ["PYTHONPATH"] = env_path
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", allow_errors=allow_errors, store_widget_state=True,
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        allow_errors=allow_errors,
+        store_widget_state=True,
         resources={"metadata": {"path": str(ROOT / "notebooks")}},
     )
     client.execute()

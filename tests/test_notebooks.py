@@ -7,8 +7,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-from .test_kernel import ROOT, execute, texts
+from test_kernel import ROOT, execute, texts
 
 pytest.importorskip("transformers")
 

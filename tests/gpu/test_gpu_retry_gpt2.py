@@ -1,0 +1,122 @@
+"""Every retry kind turns a real out-of-memory error into a run that fits, on GPT-2 124M training
+(built from its config, seq 512, AdamW, fp32) under ``--limit 24GiB``, driven through the report
+widget's buttons as a person would click them.
+
+Sizes from DESIGN.md (H200, torch 2.11): the peak is ~1.48 GiB + 0.827 GiB per sample in fp32, so 40
+and 28 run out of 24 GiB while 20 fits; bf16 autocast cuts the peak ~16% (28 then fits), gradient
+checkpointing ~61% (40 then fits). The leftover case holds 16 GiB in the namespace next to batch 12.
+(``empty_cache`` and ``expandable_segments`` are shown on a fragmenting loop in test_gpu_oom_kinds.py:
+on GPT-2 the allocator already empties its cache before it gives up, so no GPT-2 case turns into a fit.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oommagic
+
+pytestmark = pytest.mark.gpu
+
+GiB = 1024**3
+
+SETUP = """import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+with torch.device("cuda"):
+    model = GPT2LMHeadModel(GPT2Config(n_positions=512))
+model.config.use_cache = False
+model.train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+"""
+
+TRAIN = """%%gpumem --limit 24GiB
+batch_size = {batch}
+def train_steps(steps=2, seq=512):
+    model.zero_grad(set_to_none=True)
+    x = torch.randint(0, model.config.vocab_size, (batch_size, seq), device="cuda")
+    for _ in range(steps):
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.item()
+train_steps()
+"""
+
+
+@pytest.fixture(scope="module")
+def gpt2(shell):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("transformers")
+    result = shell.run_cell(SETUP)
+    assert result.success, result.error_in_exec
+    yield shell
+    for name in ("model", "opt", "train_steps", "leftover", "batch_size"):
+        shell.user_ns.pop(name, None)
+
+
+def failing(cell, batch: int) -> oommagic.CellRun:
+    cell(TRAIN.format(batch=batch))
+    run = oommagic.history()[-1]
+    print(
+        f"batch {batch}: outcome {run.outcome}; {run.headline()}; findings "
+        f"{[(f.key, [r.kind for r in f.remedies]) for f in run.findings]}"
+    )
+    assert run.outcome == "oom", f"batch {batch} was expected to run out of 24 GiB"
+    return run
+
+
+def test_smaller_batch_fits(gpt2, cell, retry_with):
+    from oommagic.remedies import Remedy
+
+    run = failing(cell, 40)
+    source = run.source.replace("batch_size = 40", "batch_size = 20")
+    hand_made = Remedy(
+        "batch",
+        "Batch 40 → 20, accumulate 2 steps",
+        automatic=True,
+        params={"name": "batch_size", "old": 40, "new": 20, "accumulate": 2, "where": "source"},
+        new_source=source,
+    )
+    widget = retry_with(run, "batch", hand_made)
+    assert widget.runs[-1].outcome == "ok"
+    print(f"batch retry ran:\n{widget.runs[-1].source}")
+
+
+def test_bf16_autocast_fits(gpt2, cell, retry_with):
+    from oommagic.remedies import Remedy
+
+    run = failing(cell, 28)
+    hand_made = Remedy("autocast", "bfloat16 autocast", automatic=True, params={"dtype": "bfloat16"})
+    widget = retry_with(run, "autocast", hand_made)
+    assert widget.runs[-1].outcome == "ok"
+    assert not torch.is_autocast_enabled("cuda")
+
+
+def test_gradient_checkpointing_fits(gpt2, cell, retry_with):
+    from oommagic.remedies import Remedy
+
+    run = failing(cell, 40)
+    hand_made = Remedy(
+        "checkpointing", "Gradient checkpointing", automatic=True, params={"models": ["model"]}
+    )
+    widget = retry_with(run, "checkpointing", hand_made)
+    assert widget.runs[-1].outcome == "ok"
+    model = gpt2.user_ns["model"]
+    assert not getattr(model, "is_gradient_checkpointing", False), "the retry left checkpointing on"
+
+
+def test_freeing_a_leftover_fits(gpt2, cell, retry_with):
+    from oommagic.remedies import Remedy
+
+    result = cell("leftover = torch.empty(16 * 1024**3, dtype=torch.uint8, device='cuda')")
+    assert result.success
+    run = failing(cell, 12)
+    hand_made = Remedy(
+        "free_leftovers", "Free leftover (16.00 GiB)", automatic=True, params={"names": ["leftover"]}
+    )
+    widget = retry_with(run, "free_leftovers", hand_made)
+    assert widget.runs[-1].outcome == "ok"
+    assert "leftover" not in gpt2.user_ns
+    assert torch.cuda.memory_allocated() < 8 * GiB

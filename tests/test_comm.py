@@ -1,0 +1,166 @@
+"""The kernel end of the sidebar's comm, through a real ipykernel: what a frontend sees on iopub when a
+``%%gpumem`` run is published, and what the kernel answers to the frontend's messages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jupyter_client.manager import KernelManager
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 60
+
+PUBLISH = textwrap.dedent(
+    """
+    from oommagic import cellrun, comm
+    run = cellrun.CellRun(source="x = 1", device="cpu", outcome="ok", peak_allocated=4096,
+                          cell_id="cell-a", execution_count=3, id={run_id!r}, parent={parent!r})
+    cellrun.history().append(run)
+    comm.publish(run)
+    """
+)
+
+
+@pytest.fixture
+def kernel() -> Iterator[Any]:
+    """A fresh ipykernel that imports oommagic from this checkout, and a client connected to it."""
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(env=env, cwd=str(ROOT))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=TIMEOUT)
+        yield kc
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def until_idle(kc: Any, parent_id: str) -> list[dict]:
+    """The iopub messages caused by request ``parent_id``, up to the kernel going idle."""
+    seen = []
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
+        if msg["parent_header"].get("msg_id") != parent_id:
+            continue
+        seen.append(msg)
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            return seen
+
+
+def execute(kc: Any, code: str) -> list[dict]:
+    msgs = until_idle(kc, kc.execute(code))
+    errors = [m["content"] for m in msgs if m["msg_type"] == "error"]
+    assert not errors, errors
+    return msgs
+
+
+def publish(kc: Any, run_id: str, parent: str | None = None) -> list[dict]:
+    return execute(kc, PUBLISH.format(run_id=run_id, parent=parent))
+
+
+def send_comm_msg(kc: Any, comm_id: str, data: dict) -> list[dict]:
+    msg = kc.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
+    kc.shell_channel.send(msg)
+    return until_idle(kc, msg["header"]["msg_id"])
+
+
+def of_type(msgs: list[dict], msg_type: str) -> list[dict]:
+    return [m["content"] for m in msgs if m["msg_type"] == msg_type]
+
+
+def test_first_publish_opens_the_comm_with_a_hello_then_sends_the_run(kernel: Any) -> None:
+    msgs = publish(kernel, "first")
+
+    [opened] = of_type(msgs, "comm_open")
+    assert opened["target_name"] == "oommagic"
+    hello = opened["data"]
+    assert hello["version"] == 1
+    assert hello["type"] == "hello"
+    assert [r["id"] for r in hello["runs"]] == ["first"]
+
+    [sent] = of_type(msgs, "comm_msg")
+    assert sent["comm_id"] == opened["comm_id"]
+    assert sent["data"]["version"] == 1
+    assert sent["data"]["type"] == "run"
+    run = sent["data"]["run"]
+    assert (run["id"], run["outcome"], run["cell_id"], run["execution_count"]) == ("first", "ok", "cell-a", 3)
+    assert run["peak_allocated"] == 4096
+    assert run["headline"].startswith("peak 4.00 KiB allocated")
+
+
+def test_later_runs_use_the_same_comm_and_carry_their_parent(kernel: Any) -> None:
+    [opened] = of_type(publish(kernel, "failed"), "comm_open")
+    msgs = publish(kernel, "retry", parent="failed")
+
+    assert of_type(msgs, "comm_open") == []
+    [sent] = of_type(msgs, "comm_msg")
+    assert sent["comm_id"] == opened["comm_id"]
+    assert sent["data"]["run"]["parent"] == "failed"
+
+
+def test_sync_from_the_frontend_resends_the_hello_with_every_run(kernel: Any) -> None:
+    [opened] = of_type(publish(kernel, "one"), "comm_open")
+    publish(kernel, "two")
+
+    [answer] = of_type(send_comm_msg(kernel, opened["comm_id"], {"type": "sync"}), "comm_msg")
+
+    assert answer["comm_id"] == opened["comm_id"]
+    assert answer["data"]["type"] == "hello"
+    assert answer["data"]["version"] == 1
+    assert [r["id"] for r in answer["data"]["runs"]] == ["one", "two"]
+
+
+def test_a_message_the_kernel_does_not_know_is_ignored(kernel: Any) -> None:
+    [opened] = of_type(publish(kernel, "one"), "comm_open")
+
+    msgs = send_comm_msg(kernel, opened["comm_id"], {"type": "gossip", "version": 9})
+
+    assert of_type(msgs, "comm_msg") == []
+    assert of_type(msgs, "error") == []
+    assert [s for s in of_type(msgs, "stream") if s["name"] == "stderr"] == []
+
+
+def test_a_comm_the_frontend_closed_is_reopened_with_every_run(kernel: Any) -> None:
+    # A frontend without the `oommagic` target answers comm_open with comm_close.
+    [opened] = of_type(publish(kernel, "one"), "comm_open")
+    close = kernel.session.msg("comm_close", {"comm_id": opened["comm_id"], "data": {}})
+    kernel.shell_channel.send(close)
+    until_idle(kernel, close["header"]["msg_id"])
+
+    msgs = publish(kernel, "two")
+
+    [reopened] = of_type(msgs, "comm_open")
+    assert reopened["comm_id"] != opened["comm_id"]
+    assert [r["id"] for r in reopened["data"]["runs"]] == ["one", "two"]
+    assert [m["data"]["run"]["id"] for m in of_type(msgs, "comm_msg")] == ["two"]
+
+
+def test_publish_outside_a_kernel_sends_nothing_and_imports_no_ipykernel() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        from oommagic import cellrun, comm
+        run = cellrun.CellRun(source="x = 1", device="cpu")
+        cellrun.history().append(run)
+        comm.publish(run)
+        comm.publish(run)
+        print("ipykernel" in sys.modules)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT, check=True
+    )
+    assert done.stdout.strip() == "False"
+    assert done.stderr == ""
