@@ -286,7 +286,7 @@ class CudaRecorder:
 
         self.index = index
         self.device = f"cuda:{index}"
-        free, total = torch.cuda.mem_get_info(index)
+        _, total = torch.cuda.mem_get_info(index)
         self.capacity = total
         self.limit = limit
         self._torch = torch

@@ -115,10 +115,10 @@ def _checkpointing(ns: dict, names: list[str]) -> Iterator[None]:
     try:
         for name in names:
             model = ns.get(name)
-            if model is not None and hasattr(model, "gradient_checkpointing_enable"):
-                if not checkpointing_enabled(model):
-                    model.gradient_checkpointing_enable()
-                    switched.append(model)
+            able = model is not None and hasattr(model, "gradient_checkpointing_enable")
+            if able and not checkpointing_enabled(model):
+                model.gradient_checkpointing_enable()
+                switched.append(model)
         yield
     finally:
         for model in switched:

@@ -69,7 +69,7 @@ class Timeline:
         bounds = [*self.steps, float("inf")]
         peaks = [0] * len(bounds)
         b = 0
-        for t, a in zip(self.t, self.allocated):
+        for t, a in zip(self.t, self.allocated, strict=True):
             while t > bounds[b]:
                 b += 1
             peaks[b] = max(peaks[b], a)

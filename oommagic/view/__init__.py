@@ -33,5 +33,7 @@ _LAST: Any = None
 
 
 def report_widget() -> Any:
-    """The report widget shown last in this kernel (None before any), e.g. ``report_widget().click("batch")``."""
+    """The report widget shown last in this kernel (None before any).
+
+    ``report_widget().click("batch")`` presses its batch button, as a person would."""
     return _LAST

@@ -139,6 +139,10 @@ class ReportWidget:
         try:
             with self.output:
                 print(f"retrying with: {remedy.title}")
+                if remedy.new_source:
+                    from ..rewrite import unified_diff
+
+                    print(unified_diff(run.source, remedy.new_source))
                 try:
                     spec = spec_for(run, remedy, self.shell)
                 except ValueError as err:
