@@ -1,0 +1,56 @@
+"""Timeline maths with plain data: downsampling keeps the peak, the CUDA trace replay."""
+
+from __future__ import annotations
+
+import random
+
+from oommagic.capture import cuda_timeline
+from oommagic.timeline import Timeline
+
+
+def test_downsampling_keeps_peak_and_dips():
+    rng = random.Random(1)
+    n = 50_000
+    alloc = [rng.randrange(1000) for _ in range(n)]
+    alloc[31_337] = 10**9
+    tl = Timeline(
+        t=tuple(i / 1000 for i in range(n)), allocated=tuple(alloc), reserved=tuple(a + 5 for a in alloc)
+    )
+    small = tl.downsample(400)
+    assert len(small.t) <= 1_300
+    assert small.peak_allocated == 10**9 and small.peak_reserved == 10**9 + 5
+    assert min(small.allocated) == min(alloc)
+    assert small.t == tuple(sorted(small.t)) and small.t[-1] == tl.t[-1]
+
+
+def test_step_peaks_split_at_optimizer_steps():
+    tl = Timeline(t=(0, 1, 2, 3, 4, 5), allocated=(1, 5, 2, 7, 3, 4), reserved=(0,) * 6, steps=(1.5, 3.5))
+    assert tl.step_peaks() == [5, 7, 4]
+    assert Timeline().step_peaks() == []
+
+
+def test_json_round_trip():
+    tl = Timeline(t=(0.0, 1.0), allocated=(1, 2), reserved=(3, 4), steps=(0.5,), oom_at=1.0)
+    assert Timeline.from_json(tl.to_json()) == tl
+
+
+def test_cuda_trace_replay_matches_the_allocator_counters():
+    start_us = 1_000_000.0
+    trace = [
+        {"action": "alloc", "size": 512, "time_us": 999_000},  # before the cell: ignored
+        {"action": "segment_alloc", "size": 2 << 20, "time_us": 1_000_100},
+        {"action": "alloc", "size": 1 << 20, "time_us": 1_000_200},
+        {"action": "alloc", "size": 512 << 10, "time_us": 1_000_300},
+        {"action": "free_requested", "size": 1 << 20, "time_us": 1_000_400},
+        {"action": "free_completed", "size": 1 << 20, "time_us": 1_000_401},
+        {"action": "oom", "size": 8 << 30, "time_us": 1_000_500},
+        {"action": "segment_free", "size": 2 << 20, "time_us": 1_000_600},
+    ]
+    snap = {"device_traces": [[], trace]}
+    tl = cuda_timeline(snap, 1, start_us=start_us, before=(4096, 8192), steps=[0.0003])
+    assert tl.peak_allocated == 4096 + (1 << 20) + (512 << 10)
+    assert tl.allocated[-1] == 4096 + (512 << 10)
+    assert tl.peak_reserved == 8192 + (2 << 20) and tl.reserved[-1] == 8192
+    assert abs(tl.oom_at - 0.0005) < 1e-9
+    assert tl.steps == (0.0003,) and tl.events == 6
+    assert not tl.truncated
