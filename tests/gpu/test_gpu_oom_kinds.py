@@ -66,7 +66,8 @@ def test_slow_fill_across_optimizer_steps(cell, rounding):
     assert run.outcome == "oom"
     assert rep.limit == 4 * GiB and rep.requested == 256 * MiB
     assert 10 <= len(tl.steps) <= 16
-    assert tl.oom_at is not None and tl.oom_at >= tl.steps[-1]
+    # The OOM comes after the last step; the trace's clock and time.time() may differ by a little.
+    assert tl.oom_at is not None and tl.oom_at >= tl.steps[-1] - 0.01
     # Each completed step left one 256 MiB chunk; the message rounds to two decimals.
     assert abs(rep.allocated - base - len(tl.steps) * 256 * MiB) <= rounding(rep.allocated) + 2 * MiB
     assert abs(torch.cuda.memory_allocated() - base) <= 2 * MiB
