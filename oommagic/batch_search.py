@@ -15,6 +15,9 @@ from typing import Any
 from .sizes import format_bytes
 
 MARGIN = 0.02
+# Stop once the best fitting batch is within 3% of the largest one the figures still allow: a trial more
+# would cost as much as the whole search so far for a few samples.
+TOLERANCE = 0.03
 
 
 @dataclass(frozen=True)
@@ -62,28 +65,43 @@ def fit_line(trials: list[Trial]) -> tuple[float, float] | None:
     return a.peak_reserved - slope * a.batch, slope
 
 
-def next_batch(trials: list[Trial], budget: int, margin: float = MARGIN) -> int | None:
-    """The batch to try next, or None when the search is done. Pure: decided from the trials alone."""
+def next_batch(
+    trials: list[Trial], budget: int, margin: float = MARGIN, tolerance: float = TOLERANCE
+) -> int | None:
+    """The batch to try next, or None when the search is done. Pure: decided from the trials alone.
+
+    With one fitting trial (b, peak) the next is ``b × budget / peak``: peak memory is affine in the
+    batch with a non-negative fixed part, so that batch fits too and lands near the maximum (where it
+    failed already, the curve bends upwards and the search bisects). With two,
+    the line through them predicts the largest batch under ``budget`` less ``margin``. The search stops
+    when the best fitting batch is within ``tolerance`` of the largest one still possible.
+    """
     fits = [t.batch for t in trials if t.fits]
     fails = [t.batch for t in trials if not t.fits]
     lo = max(fits, default=0)
     hi = min(fails, default=None)
     if hi is not None and hi - lo <= 1:
         return None
+    if lo == 0:
+        return None if hi is None or hi <= 1 else max(1, hi // 2)
+    target = budget * (1 - margin)
     line = fit_line(trials)
     if line is None or line[1] <= 0:
-        if lo == 0:
-            return None if hi is None or hi <= 1 else max(1, hi // 2)
-        return lo * 2 if hi is None else (lo + hi) // 2
-    intercept, slope = line
-    guess = math.floor((budget * (1 - margin) - intercept) / slope)
-    if any(t.role == "check" and not t.fits for t in trials):
-        # The line over-promised once (checkpointing does that): aim lower, by how far the last
-        # failure overshot the line, and never above the midpoint.
-        guess = min(guess, lo + max(1, (hi - lo) // 2)) if hi is not None else guess
+        best = max((t for t in trials if t.fits), key=lambda t: t.batch)
+        guess = math.floor(best.batch * target / max(best.peak_reserved, 1))
+        if hi is not None and guess >= hi:
+            # That batch already failed: the curve bends upwards (checkpointing does); bisect.
+            guess = lo + max(1, (hi - lo) // 2)
+        guess = max(guess, lo + 1)
+    else:
+        intercept, slope = line
+        guess = math.floor((target - intercept) / slope)
+        if hi is not None and any(t.role == "check" and not t.fits for t in trials):
+            # The line over-promised once (checkpointing does that): never aim past the midpoint.
+            guess = min(guess, lo + max(1, (hi - lo) // 2))
     if hi is not None:
         guess = min(guess, hi - 1)
-    if guess <= lo:
+    if guess <= lo or lo >= (1 - tolerance) * guess:
         return None
     return guess
 

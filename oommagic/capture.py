@@ -291,6 +291,7 @@ class CudaRecorder:
         self.limit = limit
         self._torch = torch
         self._owns_history = False
+        self._owned_history = False
         self._old_fraction: float | None = None
         self._marks = _StepMarks()
         self._start = 0.0
@@ -345,6 +346,7 @@ class CudaRecorder:
         self._marks.remove()
         if self._owns_history:
             self._owns_history = False
+            self._owned_history = True
             torch.cuda.memory._record_memory_history(enabled=None)
         if self._old_fraction is not None:
             torch.cuda.set_per_process_memory_fraction(self._old_fraction, self.index)
@@ -360,10 +362,13 @@ class CudaRecorder:
         return {"requested": requested, "free": free}
 
     def recording(self) -> Recording:
+        # History switched on for this cell holds only this cell's events: replay all of them, so no
+        # event is lost to a difference between the allocator's clock and time.time().
         timeline = cuda_timeline(
             self._snapshot or {},
             self.index,
-            start_us=self._start * 1e6,
+            start_us=0.0 if self._owned_history else self._start * 1e6,
+            origin_us=self._start * 1e6,
             before=self._before,
             steps=[x - self._start for x in self._marks.times],
         )
@@ -386,11 +391,18 @@ _RESERVE_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "seg
 
 
 def cuda_timeline(
-    snapshot: dict, index: int, start_us: float, before: tuple[int, int], steps: list[float]
+    snapshot: dict,
+    index: int,
+    start_us: float,
+    before: tuple[int, int],
+    steps: list[float],
+    origin_us: float | None = None,
 ) -> Timeline:
     """Replay the allocator trace of device ``index`` from ``start_us`` on, starting from ``before``
-    (allocated, reserved). ``memory_allocated`` counts a block when it is handed out and uncounts it at
-    ``free_requested``, so the replay's maximum equals ``max_memory_allocated``."""
+    (allocated, reserved); times are seconds from ``origin_us`` (default ``start_us``).
+    ``memory_allocated`` counts a block when it is handed out and uncounts it at ``free_requested``, so
+    the replay's maximum equals ``max_memory_allocated``."""
+    origin = start_us if origin_us is None else origin_us
     traces = snapshot.get("device_traces") or []
     entries = traces[index] if index < len(traces) else []
     allocated, reserved = before
@@ -398,13 +410,10 @@ def cuda_timeline(
     a: list[int] = [allocated]
     r: list[int] = [reserved]
     oom_at = None
-    first_time = None
     for e in entries:
         when = e.get("time_us", 0)
         if when < start_us:
             continue
-        if first_time is None:
-            first_time = when
         action = e.get("action")
         size = e.get("size", 0)
         if action in _ALLOC_DELTA:
@@ -412,10 +421,10 @@ def cuda_timeline(
         elif action in _RESERVE_DELTA:
             reserved += _RESERVE_DELTA[action] * size
         elif action == "oom":
-            oom_at = (when - start_us) / 1e6
+            oom_at = (when - origin) / 1e6
         else:
             continue
-        t.append((when - start_us) / 1e6)
+        t.append(max((when - origin) / 1e6, 0.0))
         a.append(allocated)
         r.append(reserved)
     truncated = (

@@ -46,6 +46,7 @@ class CellRun:
     timeline: Timeline = field(default_factory=Timeline)
     report: OOMReport | None = None
     freed: int | None = None
+    dropped: list[tuple[str, int]] = field(default_factory=list)
     error: str | None = None
     findings: list = field(default_factory=list)
     change: str | None = None
@@ -108,6 +109,7 @@ class CellRun:
             "timeline": self.timeline.downsample().to_json(),
             "report": self.report.to_json() if self.report else None,
             "freed": self.freed,
+            "dropped": [list(d) for d in self.dropped],
             "error": self.error,
             "findings": [f.to_json() for f in self.findings],
             "change": self.change,

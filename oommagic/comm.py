@@ -65,8 +65,9 @@ def _open() -> Any:
 
 
 def _on_msg(msg: dict[str, Any]) -> None:
-    data = msg.get("content", {}).get("data") or {}
-    if data.get("type") == "sync" and _comm is not None:
+    data = msg.get("content", {}).get("data")
+    # Anything but a sync (a newer frontend's message, garbage) is ignored.
+    if isinstance(data, dict) and data.get("type") == "sync" and _comm is not None:
         try:
             _comm.send(hello())
         except Exception:

@@ -186,6 +186,43 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
+def drop_bound_by_cell(namespace: dict, ids_before: dict[str, int], device: str) -> list[tuple[str, int]]:
+    """Delete the names a failed cell bound (new, or bound to another object) to values that hold memory
+    on ``device``; returns (name, bytes) of each. They are the failed attempt's memory as much as its
+    frames are, and a retry binds them again."""
+    import torch
+
+    where = torch.device(device)
+    dropped = []
+    for name, value in list(namespace.items()):
+        if (
+            ids_before.get(name) == id(value)
+            or _IPYTHON_NAME.fullmatch(name)
+            or isinstance(value, _SKIPPED_TYPES)
+        ):
+            continue
+        with contextlib.suppress(Exception):
+            _, storages = _held_by(name, value, where, [])
+            if isinstance(value, torch.optim.Optimizer):
+                # An optimizer without state yet still keeps its model's parameters alive.
+                storages = {**storages, **_tensor_storages_of(_optimizer_params(value), where)}
+            if storages:
+                del namespace[name]
+                dropped.append((name, sum(storages.values())))
+    return dropped
+
+
+def _optimizer_params(optimizer: Any) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _tensor_storages_of(tensors: list, device: Any) -> Storages:
+    storages: Storages = {}
+    for t in tensors:
+        _tensor_storages(t, device, storages)
+    return storages
+
+
 def _held_by(name: str, value: Any, device: Any, modules: list) -> tuple[str, Storages]:
     """(kind, storages on ``device``) of one namespace value; modules met on the way go to ``modules``."""
     import torch

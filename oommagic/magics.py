@@ -86,6 +86,12 @@ class GpuMemMagics(Magics):
     @argument("--quiet", action="store_true", help="record, print nothing")
     @argument("--no-raise", action="store_true", help="an out-of-memory error does not fail the cell")
     @argument("--text", action="store_true", help="plain-text report instead of the widget")
+    @argument(
+        "--keep",
+        action="store_true",
+        help="after an out-of-memory error keep the names the failed cell bound to device memory (by "
+        "default they are dropped with the rest of the failed attempt's memory)",
+    )
     @argument("--batch", metavar="NAME", help="the variable that holds the batch size, for retries")
     @argument(
         "--find-batch",
@@ -138,7 +144,9 @@ class GpuMemMagics(Magics):
         from .runner import RunSpec, execute
 
         options = {k: v for k, v in vars(args).items() if v not in (None, False)}
-        spec = RunSpec(source=cell, device=args.device, limit=limit, options=options)
+        spec = RunSpec(
+            source=cell, device=args.device, limit=limit, options=options, drop_bound=not args.keep
+        )
         if args.find_batch:
             from .batch_search import find_batch_magic
 
@@ -155,9 +163,7 @@ class GpuMemMagics(Magics):
 
     def _finish(self, run: CellRun, args: Any) -> CellRun | None:
         from . import comm
-        from .runner import diagnose_run
 
-        diagnose_run(run, self.shell, batch_name=args.batch)
         if args.output:
             self.shell.user_ns[args.output] = run
         comm.publish(run)

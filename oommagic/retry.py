@@ -26,6 +26,8 @@ def spec_for(run: CellRun, remedy: Any, shell: Any) -> RunSpec:
         options=dict(opts),
         parent=run.id,
         change=remedy.title,
+        drop_bound=not opts.get("keep"),
+        batch_name=opts.get("batch"),
     )
     kind = remedy.kind
     release_cached(run.device)

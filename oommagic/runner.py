@@ -30,6 +30,8 @@ class RunSpec:
     change: str | None = None
     parent: str | None = None
     record: bool = True
+    drop_bound: bool = True
+    batch_name: str | None = None
 
 
 class _Catch:
@@ -74,7 +76,9 @@ def _cell_id(shell: Any) -> str | None:
 def execute(shell: Any, spec: RunSpec) -> CellRun:
     """Run ``spec.source`` in ``shell`` under a recorder; returns the run (also appended to history).
 
-    An out-of-memory error is caught, its memory given back and its figures parsed into ``run.report``;
+    An out-of-memory error is caught, its memory given back (frames, and the names the cell bound to
+    device memory unless ``spec.drop_bound`` is off), its figures parsed into ``run.report`` and
+    diagnosed into ``run.findings``;
     any other exception is shown with its normal traceback and recorded as ``outcome="error"``. A
     KeyboardInterrupt stops the run after every setting is restored, and is re-raised.
     """
@@ -92,9 +96,11 @@ def execute(shell: Any, spec: RunSpec) -> CellRun:
         parent=spec.parent,
     )
     catch = _Catch(shell)
+    ids_before = {name: id(value) for name, value in shell.user_ns.items()}
     result = None
     interrupted = False
     held_at_failure = None
+    ctx = None
     with contextlib.ExitStack() as stack:
         stack.enter_context(recorder)
         stack.enter_context(catch.installed())
@@ -113,6 +119,11 @@ def execute(shell: Any, spec: RunSpec) -> CellRun:
             run.report = _report(exc, recorder.exact)
             if result is not None and result.error_in_exec is exc:
                 result.error_in_exec = None
+            ctx = _namespace_context(run, shell, spec.batch_name) if spec.record else None
+            if spec.drop_bound:
+                from .context import drop_bound_by_cell
+
+                run.dropped = drop_bound_by_cell(shell.user_ns, ids_before, recorder.device)
             free_failed_cell(shell, exc, recorder.device)
             del exc
         elif result is not None and result.error_in_exec is not None:
@@ -131,6 +142,8 @@ def execute(shell: Any, spec: RunSpec) -> CellRun:
     run.capacity, run.limit, run.timeline = rec.capacity, rec.limit, rec.timeline
     if held_at_failure is not None:
         run.freed = max(held_at_failure - rec.after_allocated, 0)
+    if ctx is not None:
+        _diagnose(run, ctx)
     if spec.record:
         history().append(run)
     if interrupted:
@@ -164,15 +177,32 @@ def release_cached(device: str) -> None:
     sys.last_type = sys.last_value = sys.last_traceback = None
 
 
-def diagnose_run(run: CellRun, shell: Any, batch_name: str | None = None) -> None:
-    """Fill ``run.findings`` for an out-of-memory run from its report, timeline and the namespace."""
-    if run.outcome != "oom":
-        return
+def _namespace_context(run: CellRun, shell: Any, batch_name: str | None) -> Any:
+    """What the namespace says about an out-of-memory run (models, leftovers, the batch), read before
+    the failed cell's names are dropped; None when reading it failed."""
     from .context import gather_context
-    from .diagnose import diagnose
 
     try:
-        ctx = gather_context(run, shell.user_ns, run.report, batch_name=batch_name)
-        run.findings = diagnose(run.report, ctx)
+        return gather_context(run, shell.user_ns, run.report, batch_name=batch_name)
     except Exception as err:  # a diagnosis bug must not hide the report itself
+        print(f"%%gpumem: the diagnosis failed ({type(err).__name__}: {err}); the figures above stand")
+        return None
+
+
+def _diagnose(run: CellRun, ctx: Any) -> None:
+    """Fill ``run.findings`` from the report, the run's final figures and the namespace context."""
+    from .diagnose import diagnose
+
+    dropped = {name for name, _ in run.dropped}
+    ctx = replace(
+        ctx,
+        timeline=run.timeline,
+        before_allocated=run.before_allocated,
+        capacity=run.capacity,
+        limit=run.limit,
+        leftovers=tuple(x for x in ctx.leftovers if x.name not in dropped),
+    )
+    try:
+        run.findings = diagnose(run.report, ctx)
+    except Exception as err:
         print(f"%%gpumem: the diagnosis failed ({type(err).__name__}: {err}); the figures above stand")

@@ -8,7 +8,8 @@
 # (run.log: every other stage's output, the NVML JSON, the stage table and the summary). The summary
 # table of every goal (measured vs goal, pass/MISS) is printed last.
 #
-# Knobs: GPU_RUN_BUDGET (seconds for everything, default 525), PYTHON (default python3),
+# Knobs: GPU_RUN_BUDGET (seconds for everything, default 525), GPU_RUN_STAGES (comma-separated stage
+# names to run, default all), PYTHON (default python3),
 # GPU_RUN_SKIP_INSTALL=1 (use what is installed), BENCH_ARGS (extra benchmark flags, e.g. --smoke to
 # try this script on a CPU machine).
 set -uo pipefail
@@ -38,6 +39,10 @@ say() { echo "$*" | tee -a "$RUNLOG"; }
 stage() {
   local name=$1 limit=$2 log=$3
   shift 3
+  if [ -n "${GPU_RUN_STAGES:-}" ] && [[ ",$GPU_RUN_STAGES," != *",$name,"* ]]; then
+    say "== $name: not selected (GPU_RUN_STAGES)"
+    return
+  fi
   local left=$((BUDGET - SECONDS - 8))
   local t=$((limit < left ? limit : left))
   if ((t < 5)); then

@@ -58,6 +58,7 @@ def test_a_line_that_under_predicts_is_refined_and_never_overshoots():
     assert curved(best) <= budget
     assert best >= 0.9 * true_max(curved, budget)
     assert all(t.fits == (curved(t.batch) <= budget) for t in trials)
+    assert len(trials) <= 5
 
 
 def test_nothing_fits_stops_at_batch_one():

@@ -126,6 +126,7 @@ def test_a_message_the_kernel_does_not_know_is_ignored(kernel: Any) -> None:
     [opened] = of_type(publish(kernel, "one"), "comm_open")
 
     msgs = send_comm_msg(kernel, opened["comm_id"], {"type": "gossip", "version": 9})
+    msgs += send_comm_msg(kernel, opened["comm_id"], ["not", "an", "object"])
 
     assert of_type(msgs, "comm_msg") == []
     assert of_type(msgs, "error") == []

@@ -88,7 +88,8 @@ def test_oom_in_kernel_gives_memory_back():
         "print('alive' if refs[0]() is not None else 'dead', LEDGER.allocated == before)"
     )
     nb = notebook(
-        "%load_ext oommagic\nimport torch\nrefs = []\nfrom oommagic.capture import LEDGER\nbefore = LEDGER.allocated",
+        "%load_ext oommagic\nimport torch\nrefs = []\n"
+        "from oommagic.capture import LEDGER\nbefore = LEDGER.allocated",
         OVERRUN,
         check,
     )

@@ -188,3 +188,28 @@ def test_without_torch_the_magic_says_how_to_install_it():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     out = out.stdout + out.stderr
     assert "pip install torch" in out
+
+
+BINDS = (
+    "%%gpumem --limit 48MiB --quiet {opt}\nkept_small = 7\n"
+    "bound_big = torch.ones(32 * 2**20, dtype=torch.uint8)\nmore = torch.empty(32 * 2**20, dtype=torch.uint8)"
+)
+
+
+def test_names_the_failed_cell_bound_to_memory_are_dropped(shell, run_cell):
+    for name in ("bound_big", "kept_small", "more"):
+        shell.user_ns.pop(name, None)
+    before = LEDGER.allocated
+    result, _ = run_cell(BINDS.format(opt=""))
+    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    run = last_run()
+    assert run.dropped == [("bound_big", 32 * MiB)]
+    assert "bound_big" not in shell.user_ns and shell.user_ns["kept_small"] == 7
+    assert LEDGER.allocated == before and run.freed == 32 * MiB
+
+
+def test_keep_leaves_them_bound(shell, run_cell):
+    result, _ = run_cell(BINDS.format(opt="--keep"))
+    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    assert last_run().dropped == [] and shell.user_ns["bound_big"].numel() == 32 * MiB
+    del shell.user_ns["bound_big"]

@@ -11,6 +11,7 @@ import oommagic
 from oommagic.capture import LEDGER
 from oommagic.cellrun import CellRun
 from oommagic.oom import OOMReport
+from oommagic.remedies import Remedy
 from oommagic.view.text import render_text
 from oommagic.view.widget import ReportWidget
 
@@ -28,12 +29,22 @@ for _ in range(2):
 """
 
 
+def drop_tensors(shell):
+    held = [
+        k
+        for k, v in shell.user_ns.items()
+        if isinstance(v, (torch.Tensor, torch.nn.Module, torch.optim.Optimizer))
+    ]
+    for name in held:
+        del shell.user_ns[name]
+    shell.run_line_magic("reset", "-f out")
+    gc.collect()
+
+
 @pytest.fixture
 def failed(shell, run_cell):
     # Each test starts from a namespace without the tensors of earlier cells (they would be leftovers).
-    for name in ("model", "opt", "x", "stale", "fresh", "failed"):
-        shell.user_ns.pop(name, None)
-    gc.collect()
+    drop_tensors(shell)
     result, _ = run_cell(TRAIN)
     assert isinstance(result.error_in_exec, Exception)
     run = shell.user_ns["failed"]
@@ -86,9 +97,11 @@ def test_interrupt_during_a_retry_restores_every_setting(shell, failed):
 
     hooks = len(_global_optimizer_post_hooks)
     widget = ReportWidget(failed, shell)
-    button = next(b for b, r in widget._remedies.items() if r.kind == "autocast")
-    failed.source = "x = torch.ones(4)\nraise KeyboardInterrupt"
-    button.click()  # the widget's output area shows the interrupt; the kernel goes on
+    autocast = Remedy("autocast", "bfloat16 autocast", automatic=True, params={"dtype": "bfloat16"})
+    failed.source = "x = torch.ones(4)\nassert torch.is_autocast_enabled('cpu')\nraise KeyboardInterrupt"
+    widget.retry(
+        widget.buttons[0], failed, autocast
+    )  # the output area shows the interrupt; the kernel goes on
     assert not torch.is_autocast_enabled("cpu")
     assert torch._C._len_torch_dispatch_stack() == 0
     assert len(_global_optimizer_post_hooks) == hooks

@@ -40,6 +40,9 @@ def figures(run: CellRun) -> list[tuple[str, str]]:
         rows += [(f"process {pid}", format_bytes(used)) for pid, used in rep.other_processes]
     if run.freed is not None:
         rows.append(("given back after the error", format_bytes(run.freed)))
+    if run.dropped:
+        names = ", ".join(f"{name} ({format_bytes(n)})" for name, n in run.dropped)
+        rows.append(("names the failed cell bound, dropped", names))
     if run.timeline.steps:
         rows.append(("optimizer steps", str(len(run.timeline.steps))))
     return rows

@@ -130,7 +130,7 @@ class ReportWidget:
             return
         from .. import comm
         from ..retry import spec_for
-        from ..runner import diagnose_run, execute
+        from ..runner import execute
 
         self.busy = True
         for b in self.buttons:
@@ -151,7 +151,6 @@ class ReportWidget:
                 new = execute(self.shell, spec)
                 new.cell_id = run.cell_id
                 new.execution_count = run.execution_count
-                diagnose_run(new, self.shell, batch_name=run.options.get("batch"))
                 comm.publish(new)
         finally:
             self.busy = False
