@@ -9,7 +9,7 @@
 # table of every goal (measured vs goal, pass/MISS) is printed last.
 #
 # Knobs: GPU_RUN_BUDGET (seconds for everything, default 525), GPU_RUN_STAGES (comma-separated stage
-# names to run, default all), PYTHON (default python3),
+# names to run, default all), GPU_RUN_NOTEBOOKS (the notebooks to run, default all), PYTHON (default python3),
 # GPU_RUN_SKIP_INSTALL=1 (use what is installed), BENCH_ARGS (extra benchmark flags, e.g. --smoke to
 # try this script on a CPU machine).
 set -uo pipefail
@@ -125,7 +125,7 @@ timeout 60 "$PY" -m ipykernel install --prefix /tmp/kp >>"$RUNLOG" 2>&1 || say "
 export JUPYTER_PATH=/tmp/kp/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
 stage "notebooks" 100 "$RUNLOG" bash -c '
   failed=0
-  for nb in notebooks/quickstart.ipynb $(ls notebooks/*.ipynb | grep -v quickstart); do
+  for nb in ${GPU_RUN_NOTEBOOKS:-notebooks/quickstart.ipynb $(ls notebooks/*.ipynb | grep -v quickstart)}; do
     [ -f "$nb" ] || continue
     echo "--- $nb"
     start=$SECONDS
