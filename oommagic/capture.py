@@ -415,7 +415,8 @@ def cuda_timeline(
         if when < start_us:
             continue
         action = e.get("action")
-        size = e.get("size", 0)
+        # The allocator counts whole blocks, multiples of 512 bytes; round a trace size up to one.
+        size = -(-e.get("size", 0) // 512) * 512
         if action in _ALLOC_DELTA:
             allocated += _ALLOC_DELTA[action] * size
         elif action in _RESERVE_DELTA:
