@@ -23,7 +23,9 @@ else
 fi
 
 # Build requirements are installed into the venv so the editable install needs no isolated build env.
-"${PIP[@]}" "hatchling>=1.21" "hatch-jupyter-builder>=0.9" "jupyterlab>=4.1,<5"
+"${PIP[@]}" "hatchling>=1.21" "hatch-jupyter-builder>=0.9" "editables" "jupyterlab>=4.1,<5"
+# The builder runs `jlpm` (JupyterLab's yarn) from PATH.
+export PATH="$VENV/bin:$PATH"
 if ! command -v node >/dev/null; then
   echo "Node.js is needed to build the lab extension from source (apt-get install nodejs)" >&2
   exit 1

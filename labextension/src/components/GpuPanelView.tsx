@@ -1,0 +1,70 @@
+import * as React from 'react';
+
+import { DeviceState } from '../devices';
+import { RemedyJson } from '../protocol';
+import { RunEntry } from '../runs';
+import { DeviceList } from './DeviceList';
+import { RunList } from './RunList';
+
+export interface INotebookView {
+  /** The notebook's file name. */
+  name: string;
+  /** "python3 · idle", "no kernel". */
+  kernel: string;
+  entries: readonly RunEntry[];
+  cellIds: ReadonlySet<string>;
+  notices: readonly string[];
+}
+
+export interface IGpuPanelViewProps {
+  devices: DeviceState;
+  /** Null when no notebook is open. */
+  notebook: INotebookView | null;
+  busy: boolean;
+  onDismissNotices: () => void;
+  onReveal: (entry: RunEntry) => void;
+  onRetry: (entry: RunEntry) => void;
+  onApply: (entry: RunEntry, remedy: RemedyJson) => void;
+}
+
+/** The sidebar's content: the devices, then the runs of the notebook being looked at. */
+export function GpuPanelView(props: IGpuPanelViewProps): JSX.Element {
+  const { notebook } = props;
+  return (
+    <div className="oommagic-panel-body">
+      <section className="oommagic-section oommagic-devices-section">
+        <h2 className="oommagic-section-title">Devices</h2>
+        <DeviceList state={props.devices} />
+      </section>
+      <section className="oommagic-section oommagic-notebook-section">
+        <h2 className="oommagic-section-title">
+          This notebook
+          {notebook ? (
+            <span className="oommagic-notebook-name"> · {notebook.name}</span>
+          ) : null}
+        </h2>
+        {notebook ? (
+          <>
+            <div className="oommagic-muted oommagic-kernel-state">
+              kernel: {notebook.kernel}
+            </div>
+            <RunList
+              entries={notebook.entries}
+              cellIds={notebook.cellIds}
+              notices={notebook.notices}
+              busy={props.busy}
+              onDismissNotices={props.onDismissNotices}
+              onReveal={props.onReveal}
+              onRetry={props.onRetry}
+              onApply={props.onApply}
+            />
+          </>
+        ) : (
+          <div className="oommagic-muted">
+            Open a notebook to see its %%gpumem runs.
+          </div>
+        )}
+      </section>
+    </div>
+  );
+}

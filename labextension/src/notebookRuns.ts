@@ -1,0 +1,161 @@
+/**
+ * The `%%gpumem` runs of one open notebook: live runs from its kernel's comm and saved summaries
+ * from its cells' metadata. Kept for every open notebook (not only the visible one) so that a run
+ * finishing in a background notebook is still written into that notebook's cell.
+ */
+
+import { ICellModel } from '@jupyterlab/cells';
+import { NotebookPanel } from '@jupyterlab/notebook';
+import { IDisposable } from '@lumino/disposable';
+import { ISignal, Signal } from '@lumino/signaling';
+
+import { KernelComm } from './kernelComm';
+import { CellRunJson, KernelMessage } from './protocol';
+import { listRuns, mergeLive, RunEntry, SavedCell } from './runs';
+import { mergeSaved, METADATA_KEY, readSaved, summarize } from './savedRuns';
+
+/** How many one-line notices (unknown messages, failed fixes) the panel keeps. */
+const NOTICES = 3;
+
+export class NotebookRuns implements IDisposable {
+  constructor(panel: NotebookPanel) {
+    this.panel = panel;
+    this.comm = new KernelComm(panel.sessionContext);
+    this.comm.received.connect(this._onMessage, this);
+    this.comm.reset.connect(this._onReset, this);
+    // Saved runs can only be read once the notebook's content is loaded.
+    void panel.context.ready.then(() => this._changed.emit());
+  }
+
+  readonly panel: NotebookPanel;
+  readonly comm: KernelComm;
+
+  /** Something the panel shows changed. */
+  get changed(): ISignal<this, void> {
+    return this._changed;
+  }
+
+  /** Live runs (this kernel) first-arrived first. */
+  get live(): readonly CellRunJson[] {
+    return this._live;
+  }
+
+  get notices(): readonly string[] {
+    return this._notices;
+  }
+
+  get isDisposed(): boolean {
+    return this._isDisposed;
+  }
+
+  /** Every run to list, newest first: live ones and the saved ones live ones do not cover. */
+  entries(): RunEntry[] {
+    return listRuns(this._live, this.savedCells());
+  }
+
+  /** The summaries saved in the notebook's cells (read fresh: cells move, get deleted, get pasted). */
+  savedCells(): SavedCell[] {
+    const cells = this.panel.model?.cells;
+    if (!cells) {
+      return [];
+    }
+    const saved: SavedCell[] = [];
+    for (let i = 0; i < cells.length; i++) {
+      const cell = cells.get(i);
+      const runs = readSaved(cell.getMetadata(METADATA_KEY));
+      if (runs.length) {
+        saved.push({
+          cellId: cell.id,
+          executionCount: executionCountOf(cell),
+          runs
+        });
+      }
+    }
+    return saved;
+  }
+
+  /** Show a one-line notice at the top of the notebook's runs. */
+  notify(line: string): void {
+    this._notices = [...this._notices.filter(n => n !== line), line].slice(
+      -NOTICES
+    );
+    this._changed.emit();
+  }
+
+  dismissNotices(): void {
+    this._notices = [];
+    this._changed.emit();
+  }
+
+  dispose(): void {
+    if (this._isDisposed) {
+      return;
+    }
+    this._isDisposed = true;
+    this.comm.dispose();
+    Signal.clearData(this);
+  }
+
+  private _onMessage(_: KernelComm, message: KernelMessage): void {
+    if (message.kind === 'unknown') {
+      console.warn(`oommagic: ${message.notice}: ${message.detail}`);
+      this.notify(message.notice);
+      return;
+    }
+    const runs = message.kind === 'hello' ? message.runs : [message.run];
+    // A hello is the kernel's whole history: it replaces what this page knew of that kernel.
+    this._live =
+      message.kind === 'hello'
+        ? mergeLive([], runs)
+        : mergeLive(this._live, runs);
+    this._save(runs);
+    this._changed.emit();
+  }
+
+  private _onReset(): void {
+    this._live = [];
+    this._changed.emit();
+  }
+
+  /** Write each run's summary into its cell's metadata (not undoable: the user did not type it). */
+  private _save(runs: readonly CellRunJson[]): void {
+    const cells = this.panel.model?.cells;
+    if (!cells) {
+      return;
+    }
+    const byCell = new Map<string, CellRunJson[]>();
+    for (const run of runs) {
+      if (run.cell_id) {
+        byCell.set(run.cell_id, [...(byCell.get(run.cell_id) ?? []), run]);
+      }
+    }
+    for (let i = 0; i < cells.length && byCell.size; i++) {
+      const cell = cells.get(i);
+      const mine = byCell.get(cell.id);
+      if (!mine) {
+        continue;
+      }
+      byCell.delete(cell.id);
+      const next = mergeSaved(
+        cell.getMetadata(METADATA_KEY),
+        mine.map(summarize)
+      );
+      if (next) {
+        cell.sharedModel.transact(
+          () => cell.setMetadata(METADATA_KEY, next),
+          false
+        );
+      }
+    }
+  }
+
+  private _live: CellRunJson[] = [];
+  private _notices: string[] = [];
+  private _isDisposed = false;
+  private _changed = new Signal<this, void>(this);
+}
+
+function executionCountOf(cell: ICellModel): number | null {
+  const count = (cell as { executionCount?: unknown }).executionCount;
+  return typeof count === 'number' ? count : null;
+}

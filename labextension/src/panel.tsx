@@ -1,0 +1,176 @@
+/**
+ * The right sidebar panel (widget id `oommagic-panel`): devices polled from the server while the
+ * panel is visible, and the runs of the notebook the user is looking at, with the actions that edit
+ * and run its cells.
+ */
+
+import { ReactWidget } from '@jupyterlab/ui-components';
+import { Message } from '@lumino/messaging';
+import * as React from 'react';
+
+import { applyFix, retryCell, revealCell } from './cellActions';
+import { GpuPanelView, INotebookView } from './components/GpuPanelView';
+import { DeviceFeed } from './deviceFeed';
+import { gpuIcon } from './icon';
+import { NotebookRuns } from './notebookRuns';
+import { RemedyJson } from './protocol';
+import { RunEntry } from './runs';
+
+export const PANEL_ID = 'oommagic-panel';
+
+export class GpuPanel extends ReactWidget {
+  constructor(feed: DeviceFeed) {
+    super();
+    this.id = PANEL_ID;
+    this.title.icon = gpuIcon;
+    this.title.caption = 'GPU memory';
+    this.addClass('oommagic-panel');
+    this._feed = feed;
+    feed.changed.connect(this._refresh, this);
+  }
+
+  /** Show the runs of this notebook (null: none is open). */
+  follow(runs: NotebookRuns | null): void {
+    if (runs === this._runs) {
+      return;
+    }
+    if (this._runs && !this._runs.isDisposed) {
+      this._runs.changed.disconnect(this._refresh, this);
+      this._runs.panel.sessionContext.statusChanged.disconnect(
+        this._refresh,
+        this
+      );
+      this._runs.panel.model?.cells.changed.disconnect(this._refresh, this);
+    }
+    this._runs = runs;
+    if (runs) {
+      runs.changed.connect(this._refresh, this);
+      runs.panel.sessionContext.statusChanged.connect(this._refresh, this);
+      void runs.panel.context.ready.then(() => {
+        if (this._runs === runs && !runs.isDisposed) {
+          runs.panel.model?.cells.changed.connect(this._refresh, this);
+          this.update();
+        }
+      });
+    }
+    this.update();
+  }
+
+  dispose(): void {
+    this._feed.stop();
+    this.follow(null);
+    super.dispose();
+  }
+
+  protected render(): JSX.Element {
+    return (
+      <GpuPanelView
+        devices={this._feed.state}
+        notebook={this._notebookView()}
+        busy={this._busy}
+        onDismissNotices={() => this._runs?.dismissNotices()}
+        onReveal={entry => void this._reveal(entry)}
+        onRetry={entry =>
+          void this._act(entry, panel => retryCell(panel, entry.cellId))
+        }
+        onApply={(entry, remedy) => void this._apply(entry, remedy)}
+      />
+    );
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._feed.start();
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this._feed.stop();
+  }
+
+  protected onAfterAttach(msg: Message): void {
+    super.onAfterAttach(msg);
+    // A panel restored open at start-up is attached visible and gets no after-show.
+    if (this.isVisible) {
+      this._feed.start();
+    }
+  }
+
+  protected onBeforeDetach(msg: Message): void {
+    this._feed.stop();
+    super.onBeforeDetach(msg);
+  }
+
+  private _notebookView(): INotebookView | null {
+    const runs = this._runs;
+    if (!runs || runs.isDisposed) {
+      return null;
+    }
+    const { panel } = runs;
+    const cellIds = new Set<string>();
+    const cells = panel.model?.cells;
+    for (let i = 0; cells && i < cells.length; i++) {
+      cellIds.add(cells.get(i).id);
+    }
+    const session = panel.sessionContext;
+    return {
+      name: panel.context.localPath.split('/').pop() ?? panel.title.label,
+      kernel: session.session?.kernel
+        ? `${session.kernelDisplayName} · ${session.kernelDisplayStatus}`
+        : session.kernelDisplayStatus === 'starting'
+          ? 'starting'
+          : 'no kernel',
+      entries: runs.entries(),
+      cellIds,
+      notices: runs.notices
+    };
+  }
+
+  private async _reveal(entry: RunEntry): Promise<void> {
+    const runs = this._runs;
+    if (runs && !(await revealCell(runs.panel, entry.cellId))) {
+      runs.notify('The cell of that run is not in this notebook any more.');
+    }
+  }
+
+  private async _apply(entry: RunEntry, remedy: RemedyJson): Promise<void> {
+    const body = remedy.new_source;
+    if (body === null) {
+      return;
+    }
+    await this._act(entry, panel => applyFix(panel, entry.cellId, body));
+  }
+
+  /** Run an action on the run's cell, one at a time; a vanished cell becomes a notice. */
+  private async _act(
+    entry: RunEntry,
+    action: (panel: NotebookRuns['panel']) => Promise<boolean>
+  ): Promise<void> {
+    const runs = this._runs;
+    if (!runs || this._busy) {
+      return;
+    }
+    this._busy = true;
+    this.update();
+    try {
+      if (!(await action(runs.panel))) {
+        runs.notify('The cell of that run is not in this notebook any more.');
+      }
+    } catch (error) {
+      runs.notify(
+        `Could not run the cell: ${error instanceof Error ? error.message : String(error)}`
+      );
+    } finally {
+      this._busy = false;
+      this.update();
+    }
+  }
+
+  private _refresh(): void {
+    this.update();
+  }
+
+  private _feed: DeviceFeed;
+  private _runs: NotebookRuns | null = null;
+  private _busy = false;
+}

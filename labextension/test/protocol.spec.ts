@@ -1,0 +1,101 @@
+import { parseCellRun, parseKernelMessage } from '../src/protocol';
+import { oomRun } from './fixtures';
+
+describe('parseKernelMessage', () => {
+  it('reads a hello with every run so far', () => {
+    const message = parseKernelMessage({
+      version: 1,
+      type: 'hello',
+      runs: [oomRun(), oomRun({ id: 'second' })]
+    });
+    expect(message.kind).toBe('hello');
+    expect(message.kind === 'hello' && message.runs.map(r => r.id)).toEqual([
+      'a1b2c3d4e5f6',
+      'second'
+    ]);
+  });
+
+  it('reads a run message', () => {
+    const message = parseKernelMessage({
+      version: 1,
+      type: 'run',
+      run: oomRun()
+    });
+    expect(message).toEqual({ kind: 'run', run: oomRun() });
+  });
+
+  it('turns an unknown version into a one-line notice instead of throwing', () => {
+    const message = parseKernelMessage({
+      version: 2,
+      type: 'run',
+      run: oomRun()
+    });
+    expect(message).toMatchObject({
+      kind: 'unknown',
+      notice: 'unknown message from oommagic v2'
+    });
+  });
+
+  it('turns an unknown type into a notice', () => {
+    expect(parseKernelMessage({ version: 1, type: 'gossip' })).toMatchObject({
+      kind: 'unknown',
+      notice: 'unknown message from oommagic v1'
+    });
+  });
+
+  it.each([
+    null,
+    'hello',
+    42,
+    [],
+    { type: 'hello' },
+    { version: 1, type: 'run' },
+    { version: 1, type: 'hello' }
+  ])('never throws on %j', data => {
+    expect(parseKernelMessage(data).kind).toBe('unknown');
+  });
+
+  it('drops runs without an id from a hello and keeps the others', () => {
+    const message = parseKernelMessage({
+      version: 1,
+      type: 'hello',
+      runs: [{ outcome: 'ok' }, oomRun()]
+    });
+    expect(message.kind === 'hello' && message.runs.length).toBe(1);
+  });
+});
+
+describe('parseCellRun', () => {
+  it('fills what an older or broken kernel left out', () => {
+    const run = parseCellRun({
+      id: 'x',
+      outcome: 'ok',
+      peak_allocated: 'lots',
+      timeline: { t: [0, 1] }
+    });
+    expect(run).toMatchObject({
+      id: 'x',
+      outcome: 'ok',
+      peak_allocated: 0,
+      capacity: null,
+      findings: [],
+      timeline: { t: [], allocated: [], reserved: [] }
+    });
+  });
+
+  it('reads an outcome it does not know as an error', () => {
+    expect(parseCellRun({ id: 'x', outcome: 'exploded' })?.outcome).toBe(
+      'error'
+    );
+  });
+
+  it('keeps a remedy without new_source as not applicable to the cell', () => {
+    const run = oomRun();
+    const remedy = { ...run.findings[0].remedies[0], new_source: undefined };
+    const parsed = parseCellRun({
+      ...run,
+      findings: [{ ...run.findings[0], remedies: [remedy] }]
+    });
+    expect(parsed?.findings[0].remedies[0].new_source).toBeNull();
+  });
+});
