@@ -141,3 +141,15 @@ def test_plain_text_form_of_the_widget_is_the_report(shell, failed):
 def test_clicking_a_fix_that_is_not_offered_says_what_is(shell, failed):
     with pytest.raises(LookupError, match="offered: "):
         ReportWidget(failed, shell).click("other_gpu")
+
+
+def test_find_batch_button_searches_and_binds_the_batch_that_fits(shell, failed):
+    widget = ReportWidget(failed, shell)
+    button = next(b for b in widget.buttons if "oommagic-find-batch" in b._dom_classes)
+    assert "batch_size" in button.description
+    count = len(oommagic.history())
+    button.click()
+    best = shell.user_ns["batch_size"]
+    assert 1 <= best < 64
+    assert len(oommagic.history()) == count, "search trials are not runs of the notebook"
+    assert not any(b.disabled for b in widget.buttons)

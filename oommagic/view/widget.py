@@ -120,6 +120,14 @@ class ReportWidget:
                 self.buttons.append(button)
                 self._remedies[button] = remedy
             boxes.append(w.VBox([w.HTML(finding_html(finding)), w.HBox(row)]))
+        batch = next((r for f in run.findings for r in f.remedies if r.kind == "batch"), None)
+        if batch is not None and run.outcome == "oom":
+            name = batch.params["name"]
+            search = w.Button(description=f"Find the largest {name} that fits", layout=w.Layout(width="auto"))
+            search.add_class("oommagic-find-batch")
+            search.on_click(lambda b, src=run, n=name: self.find_batch(b, src, n))
+            self.buttons.append(search)
+            boxes.append(search)
         self.findings.children = boxes
         self.attempts.value = attempts_html(self.runs) if len(self.runs) > 1 else ""
 
@@ -160,6 +168,33 @@ class ReportWidget:
             else:
                 for b in self.buttons:
                     b.disabled = False
+
+    def find_batch(self, button: Any, run: CellRun, name: str) -> Any:
+        """Search the largest ``name`` that fits (``%%gpumem --find-batch``) into the output area."""
+        if self.busy or self.solved or button not in self.buttons:
+            return None
+        from ..batch_search import find_batch_magic
+        from ..runner import RunSpec, release_cached
+
+        self.busy = True
+        for b in self.buttons:
+            b.disabled = True
+        try:
+            with self.output:
+                release_cached(run.device)
+                spec = RunSpec(
+                    source=run.source,
+                    device=run.options.get("device") or run.device,
+                    limit=run.limit,
+                    options=dict(run.options),
+                )
+                search = find_batch_magic(self.shell, spec, name)
+                print(search.summary())
+            return search
+        finally:
+            self.busy = False
+            for b in self.buttons:
+                b.disabled = False
 
     def _after_retry(self, new: CellRun, remedy: Any) -> None:
         w = self._w
