@@ -15,9 +15,9 @@ from typing import Any
 from .sizes import format_bytes
 
 MARGIN = 0.02
-# Stop once the best fitting batch is within 3% of the largest one the figures still allow: a trial more
+# Stop once the best fitting batch is within 5% of the largest one the figures still allow: a trial more
 # would cost as much as the whole search so far for a few samples.
-TOLERANCE = 0.03
+TOLERANCE = 0.05
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,8 @@ def next_batch(
     batch with a non-negative fixed part, so that batch fits too and lands near the maximum (where it
     failed already, the curve bends upwards and the search bisects). With two,
     the line through them predicts the largest batch under ``budget`` less ``margin``. The search stops
-    when the best fitting batch is within ``tolerance`` of the largest one still possible.
+    when the best fitting batch is within ``tolerance`` of the largest one the line allows at the full
+    budget (or below the smallest failure).
     """
     fits = [t.batch for t in trials if t.fits]
     fails = [t.batch for t in trials if not t.fits]
@@ -93,15 +94,18 @@ def next_batch(
             # That batch already failed: the curve bends upwards (checkpointing does); bisect.
             guess = lo + max(1, (hi - lo) // 2)
         guess = max(guess, lo + 1)
+        ceiling = hi - 1 if hi is not None else guess
     else:
         intercept, slope = line
         guess = math.floor((target - intercept) / slope)
+        # What the line says fits the whole budget: the most the next trial could win.
+        ceiling = math.floor((budget - intercept) / slope)
         if hi is not None and any(t.role == "check" and not t.fits for t in trials):
             # The line over-promised once (checkpointing does that): never aim past the midpoint.
             guess = min(guess, lo + max(1, (hi - lo) // 2))
     if hi is not None:
-        guess = min(guess, hi - 1)
-    if guess <= lo or lo >= (1 - tolerance) * guess:
+        guess, ceiling = min(guess, hi - 1), min(ceiling, hi - 1)
+    if guess <= lo or lo >= (1 - tolerance) * ceiling:
         return None
     return guess
 
