@@ -121,8 +121,9 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
     from IPython.core.error import UsageError
     from IPython.utils.capture import capture_output
 
+    from .release import collect
     from .rewrite import find_batch, rewrite_batch
-    from .runner import RunSpec, collect, execute
+    from .runner import RunSpec, execute
 
     guess = find_batch(spec.source, _int_names(shell.user_ns), name=name)
     if guess is None:

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from .cellrun import CellRun
-from .runner import RunSpec, release_cached
+from .release import collect
+from .runner import RunSpec
 
 
 def spec_for(run: CellRun, remedy: Any, shell: Any) -> RunSpec:
@@ -22,7 +23,7 @@ def spec_for(run: CellRun, remedy: Any, shell: Any) -> RunSpec:
     base = dict(
         source=remedy.new_source or run.source,
         device=opts.get("device") or run.device,
-        limit=_limit_of(run),
+        limit=run.limit,  # the retry faces the same (emulated) card as the failed run
         options=dict(opts),
         parent=run.id,
         change=remedy.title,
@@ -30,7 +31,7 @@ def spec_for(run: CellRun, remedy: Any, shell: Any) -> RunSpec:
         batch_name=opts.get("batch"),
     )
     kind = remedy.kind
-    release_cached(run.device)
+    collect(run.device)
     if remedy.new_source and kind in ("batch", "max_new_tokens", "num_beams", "truncate"):
         return RunSpec(**base)
     if kind == "batch":
@@ -51,11 +52,6 @@ def spec_for(run: CellRun, remedy: Any, shell: Any) -> RunSpec:
         free_names(shell.user_ns, remedy.params.get("names", []), measure=lambda: 0)
         return RunSpec(**base)
     raise ValueError(f"{remedy.title}: not something a retry can apply; the snippet shows how to do it")
-
-
-def _limit_of(run: CellRun) -> int | None:
-    # The retry must face the same (emulated) card as the failed run.
-    return run.limit
 
 
 @contextlib.contextmanager

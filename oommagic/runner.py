@@ -7,7 +7,6 @@ knows how a run is measured, how an out-of-memory error is caught and how its me
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -15,7 +14,7 @@ from typing import Any
 
 from .cellrun import CellRun, history
 from .oom import OOMReport, is_oom, parse_oom
-from .release import collect, free_failed_cell
+from .release import free_failed_cell
 
 
 @dataclass
@@ -169,12 +168,6 @@ def _message(exc: BaseException) -> str:
         return str(exc)
     except Exception:
         return repr(type(exc))
-
-
-def release_cached(device: str) -> None:
-    """gc + ``empty_cache`` before a retry, so the failed attempt's cache doesn't count against it."""
-    collect(device)
-    sys.last_type = sys.last_value = sys.last_traceback = None
 
 
 def _namespace_context(run: CellRun, shell: Any, batch_name: str | None) -> Any:

@@ -174,14 +174,16 @@ class ReportWidget:
         if self.busy or self.solved or button not in self.buttons:
             return None
         from ..batch_search import find_batch_magic
-        from ..runner import RunSpec, release_cached
+        from ..release import collect
+        from ..runner import RunSpec
 
         self.busy = True
         for b in self.buttons:
             b.disabled = True
+        search = None
         try:
             with self.output:
-                release_cached(run.device)
+                collect(run.device)
                 spec = RunSpec(
                     source=run.source,
                     device=run.options.get("device") or run.device,
