@@ -39,10 +39,18 @@ NOTICEABLE = 64 * MIB
 FRAGMENTED_SHARE = 0.25
 # A step that needs this much more than the median step ran on unusually long samples.
 LONG_STEP = 1.3
+# Memory kept across optimizer steps grows "steadily" when the lowest allocated level between steps rose
+# at least this many steps in a row, each rise within this factor of their median (a leak keeps about
+# the same tensors every step; an uneven rise is something else), and the rise makes up at least this
+# share of the shortfall (a slow leak is not why this step ran out).
+GROWTH_STEPS = 3
+GROWTH_SPREAD = 2.0
+GROWTH_SHARE = 0.5
 # How firmly the figures back a finding's saving: measured bytes over estimates over hopes.
 WEIGHT = {
     "async_error": 2.0,  # the figures may point at the wrong line: find the real one first
     "too_large": 1.5,  # nothing short of a smaller model or another card makes it fit
+    "growth": 1.0,  # measured: the bytes kept across steps
     "fragmentation": 1.0,
     "leftovers": 1.0,
     "other_processes": 0.9,
@@ -336,7 +344,7 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
 
 
 def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
-    growth = _step_growth(ctx.timeline)
+    growth = _step_growth(ctx.timeline, fig)
     if ctx.generation or not (fig.training or ctx.batch or growth):
         return None
     batch, note = _batch_remedy(ctx, fig, fig.training)
@@ -373,17 +381,91 @@ def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
     return line + "."
 
 
-def _step_growth(tl: Timeline) -> str:
+def _step_growth(tl: Timeline, fig: Figures) -> str:
+    """What the activations finding says about steps that grew: memory kept across steps (the growth
+    finding's evidence, pointed at, not repeated) or peaks that grew over a flat baseline."""
+    growth = _retained_growth(tl, fig)
+    if growth is not None:
+        return (
+            f" Of that, {fmt(growth.kept)} is memory kept across steps, not the batch's activations: "
+            f"allocated after each optimizer step rose {fmt(growth.per_step)} per step (see “Memory grows "
+            "every step”)."
+        )
     # Skip the interval before the first step: Adam's moments appear at step 1, which is no leak.
     peaks = tl.step_peaks()[1:]
     rising = all(b > a for a, b in itertools.pairwise(peaks))
     if len(peaks) < 3 or not rising or peaks[-1] < peaks[0] * 1.05:
         return ""
-    shown = " → ".join(fmt(p) for p in peaks[-4:])
-    return (
-        f" Each step's peak grew ({shown}): something keeps every step's tensors, e.g. `losses.append(loss)` "
-        "keeps each step's graph; append `loss.item()` instead."
+    grew = f" Each step's peak grew ({' → '.join(fmt(p) for p in peaks[-4:])})"
+    floors = _floors(tl)
+    if not floors:
+        return grew + "."
+    if floors[-1] - floors[0] < (peaks[-1] - peaks[0]) / 4:
+        return grew + (
+            f" while the memory kept between steps stayed near {fmt(floors[0])}: later batches needed "
+            "more, e.g. longer inputs."
+        )
+    return grew + (
+        f" and so, unevenly, did the memory kept between steps ({fmt(floors[0])} → {fmt(floors[-1])}): "
+        "something may keep tensors across steps, e.g. `losses.append(loss)` keeps each step's graph; "
+        "append `loss.item()` instead."
     )
+
+
+def _floors(tl: Timeline) -> list[int]:
+    """The lowest allocated level from each optimizer step to the next (the last: to the out-of-memory
+    event, or the end): what stays from step to step, once gradients are zeroed and before the next batch
+    comes in; an interval without events keeps the level it started with. The troughs, not the level at
+    the step's instant: the step hook's clock and the allocator trace's can differ by more than the
+    microseconds between the optimizer's own allocations and the frees of `zero_grad()`."""
+    if not tl.steps or not tl.allocated:
+        return []
+    # The memory given back after the error (frames freed, the cell's tensors dropped) is no baseline.
+    end = tl.oom_at if tl.oom_at is not None else float("inf")
+    # A truncated trace starts late: the levels before its first event are not the same replay.
+    known = tl.t[1] if tl.truncated and len(tl.t) > 1 else float("-inf")
+    floors: list[int] = []
+    level, i, n = tl.allocated[0], 0, len(tl.t)
+    for start, stop in itertools.pairwise([*(s for s in tl.steps if s < end), end]):
+        while i < n and tl.t[i] <= start:
+            level, i = tl.allocated[i], i + 1
+        low = None
+        while i < n and tl.t[i] <= stop:
+            level, i = tl.allocated[i], i + 1
+            low = level if low is None else min(low, level)
+        if start >= known:
+            floors.append(level if low is None else low)
+    return floors
+
+
+@dataclass(frozen=True)
+class _Growth:
+    """Memory kept across the last ``steps`` optimizer steps before the failing one: ``kept`` bytes."""
+
+    kept: int
+    steps: int
+
+    @property
+    def per_step(self) -> int:
+        return self.kept // self.steps
+
+
+def _retained_growth(tl: Timeline, fig: Figures) -> _Growth | None:
+    """The steady rise of what stays between steps, up to the failing step, where it matters."""
+    rises = [b - a for a, b in itertools.pairwise(_floors(tl))]
+    rising = list(itertools.takewhile(lambda d: d > 0, reversed(rises)))
+    if len(rising) < GROWTH_STEPS:
+        return None
+    # An earlier odd step (a one-off buffer, a first evaluation) shortens the streak rather than hiding it.
+    median = sorted(rising)[len(rising) // 2]
+    steady = list(
+        itertools.takewhile(lambda d: median / GROWTH_SPREAD <= d <= median * GROWTH_SPREAD, rising)
+    )
+    kept = sum(steady)
+    short = fig.shortfall if fig.shortfall and fig.shortfall > 0 else 0
+    if len(steady) < GROWTH_STEPS or kept < max(NOTICEABLE, GROWTH_SHARE * short):
+        return None
+    return _Growth(kept, len(steady))
 
 
 def smaller_batch(old: int, fig: Figures, training: bool) -> tuple[int, int] | None:
@@ -450,12 +532,33 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     return _finding("generation", "Generation memory", evidence, remedies, fig)
 
 
+def _growth(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    growth = _retained_growth(ctx.timeline, fig)
+    if growth is None:
+        return None
+    evidence = (
+        f"Allocated after each optimizer step rose {fmt(growth.per_step)} per step over the last "
+        f"{growth.steps} steps: {fmt(growth.kept)} kept across steps. The loop keeps something of every "
+        "step — a tensor in a list or a running total, often with its graph. That memory is allocated, "
+        "not cached: `torch.cuda.empty_cache()` gives none of it back, and a smaller batch only puts the "
+        "error off by some steps."
+    )
+    remedies = fix.kept_across_steps(ctx, fig, growth.kept)
+    return _finding("growth", "Memory grows every step", evidence, remedies, fig, saving=growth.kept)
+
+
 def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
-    done = ctx.timeline.step_peaks()[1:-1]  # full steps: not the first (no Adam state), not the failing one
+    tl = ctx.timeline
+    done = tl.step_peaks()[1:-1]  # full steps: not the first (no Adam state), not the failing one
     if len(done) < 2 or fig.demand is None or ctx.has_truncation:
         return None
     median = sorted(done)[len(done) // 2]
     if fig.demand < LONG_STEP * median:
+        return None
+    # A long batch is one step far above the others over a flat baseline; where what stays between steps
+    # rose steadily, or by half the excess, the step is big because memory was kept: the growth finding.
+    floors = _floors(tl)
+    if _retained_growth(tl, fig) or (floors and floors[-1] - min(floors) >= (fig.demand - median) / 2):
         return None
     evidence = (
         f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
@@ -516,6 +619,7 @@ RULES: tuple[Rule, ...] = (
     _other_processes,
     _activations,
     _generation,
+    _growth,
     _long_samples,
     _reserved_churn,
     _limit,

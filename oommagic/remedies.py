@@ -7,6 +7,7 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -57,6 +58,8 @@ KINDS = frozenset(
         "other_gpu",
         "launch_blocking",
         "multi_gpu",
+        "keep_numbers",
+        "no_grad",
     }
 )
 
@@ -404,6 +407,95 @@ def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
         params={"models": names},
         new_source=new_source,
     )
+
+
+# --- what a loop keeps from step to step ----------------------------------------------------------------
+
+# A value kept in these forms holds no device memory and no graph.
+_DETACHED = (".item()", ".tolist()", ".numpy()")
+_NUMBER_CALLS = frozenset({"float", "int", "round", "len", "str", "bool"})
+_KEEP_GENERIC = """losses.append(loss.item())             # not losses.append(loss): that keeps the graph
+running_loss += loss.item()            # not running_loss += loss
+outputs.append(logits.detach().cpu())  # not outputs.append(logits)"""
+_NO_GRAD = """model.eval()
+with torch.no_grad():
+    val_loss = model(**val_batch).loss.item()
+model.train()"""
+
+
+def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Remedy | None]:
+    """Keep numbers or detached CPU copies across steps, evaluate without a graph: snippets, since only the
+    person knows which list grows; lines of the cell that look like the culprit are shown rewritten."""
+    sites = _kept_sites(ctx.source)
+    why = (
+        "A tensor kept across steps in a list or a running total keeps its device memory, and one that came "
+        "out of the forward pass keeps the autograd graph with it (`total += loss` chains every step's "
+        "graph). Keep a Python number (`loss.item()`) or a detached CPU copy (`.detach().cpu()`)."
+    )
+    if sites:
+        why += " In this cell: " + "; ".join(f"line {n}, `{was}`" for n, was, _ in sites) + "."
+        code = "\n".join(f"# line {n}, was: {was}\n{now}" for n, was, now in sites)
+    else:
+        code = _KEEP_GENERIC
+    keep = _made(fig, "keep_numbers", "Keep numbers, not tensors, across steps", why, kept, code=code)
+    no_grad = Remedy(
+        "no_grad",
+        "Evaluate inside the loop under torch.no_grad()",
+        "An evaluation or metric pass in the training loop records a graph for every batch when gradients "
+        "are on, and outputs kept from it hold the activations of that graph. Under `torch.no_grad()` (or "
+        "`torch.inference_mode()`) there is no graph to keep.",
+        code=_NO_GRAD,
+    )
+    return [keep, no_grad]
+
+
+def _kept_sites(source: str, most: int = 3) -> list[tuple[int, str, str]]:
+    """(line, statement as written, as it could be) for each `xs.append(v)` in a loop of the cell, and each
+    `total += v` with a loss, where ``v`` may be a tensor: not already a number or a detached CPU copy."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    lines = source.splitlines()
+    found: dict[tuple[int, int], tuple[int, str, str]] = {}
+    for loop in ast.walk(tree):
+        if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
+            continue
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                one = node.func.attr == "append" and len(node.args) == 1 and not node.keywords
+                value = node.args[0] if one else None
+            elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+                value = node.value
+                if "loss" not in (ast.get_source_segment(source, node) or ""):
+                    value = None
+            else:
+                value = None
+            if value is None or value.lineno != value.end_lineno or not _may_be_tensor(source, value):
+                continue
+            text = ast.get_source_segment(source, value) or ""
+            line = lines[value.lineno - 1].encode()  # ast's columns count UTF-8 bytes
+            now = line[: value.col_offset] + _detached(text).encode() + line[value.end_col_offset :]
+            found.setdefault(
+                (value.lineno, value.col_offset), (value.lineno, line.decode().strip(), now.decode().strip())
+            )
+    return [found[k] for k in sorted(found)][:most]
+
+
+def _may_be_tensor(source: str, value: ast.expr) -> bool:
+    if not isinstance(value, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
+        return False
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in _NUMBER_CALLS:
+        return False
+    text = ast.get_source_segment(source, value) or ""
+    return not (any(d in text for d in _DETACHED) or (".detach()" in text and ".cpu()" in text))
+
+
+def _detached(text: str) -> str:
+    """`loss` → `loss.item()`; `logits` → `logits.detach().cpu()`."""
+    for tail in (".detach()", ".cpu()"):
+        text = text.removesuffix(tail)
+    return text + (".item()" if "loss" in text.lower() else ".detach().cpu()")
 
 
 # --- generation and input length -----------------------------------------------------------------------

@@ -341,15 +341,12 @@ def test_batch_of_one_cannot_shrink():
     assert "batch" not in [r.kind for r in act.remedies]
 
 
-def test_growing_step_peaks_point_at_kept_tensors():
-    tl = Timeline(
-        t=(0.5, 1.5, 2.5, 3.5, 4.5),
-        allocated=(3 * GiB, 4 * GiB, 5 * GiB, 6 * GiB, 7 * GiB),
-        reserved=(8 * GiB,) * 5,
-        steps=(1.0, 2.0, 3.0, 4.0),
-    )
+def test_peaks_that_grow_over_a_flat_baseline_are_later_batches_needing_more():
+    tl = training_loop(steps=5, activations=lambda i: 8 * GiB + i * GiB)
     act = finding(diagnose(plain_24(), training_ctx(timeline=tl)), "activations")
-    assert "4.00 GiB → 5.00 GiB → 6.00 GiB → 7.00 GiB" in act.evidence and "loss.item()" in act.evidence
+    assert "Each step's peak grew (14.00 GiB → 15.00 GiB → 16.00 GiB → 17.00 GiB)" in act.evidence
+    assert "stayed near 4.00 GiB: later batches needed more" in act.evidence
+    assert "growth" not in keys(diagnose(plain_24(), training_ctx(timeline=tl)))
 
 
 def test_activations_quiet_for_a_cell_that_neither_trains_nor_batches():
@@ -437,6 +434,143 @@ def test_long_samples_quiet_with_truncation_or_steady_steps():
     )
     steady = plain_24(requested=GiB // 2, allocated=12 * GiB)
     assert "long_samples" not in keys(diagnose(steady, training_ctx(timeline=steady_then_spike())))
+
+
+# --- memory that grows every step ----------------------------------------------------------------------
+
+LEAKY_LOOP = """\
+losses = []
+for batch in loader:
+    out = model(**batch)
+    loss = out.loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss)
+    preds.append(out.logits)
+    seen.append(len(batch))
+"""
+
+
+def training_loop(steps: int, kept=lambda i: 0, activations=lambda i: 12 * GiB) -> Timeline:
+    """A loop whose last step runs out: weights (2 GiB), Adam's moments from step 1 on (2 GiB), step
+    ``i``'s activations, gradients (1 GiB) until zero_grad, and ``kept(i)`` bytes that step ``i`` keeps for
+    good. After the error the failed cell's memory is given back."""
+    t, alloc, marks, held = [], [], [], 0
+    for i in range(steps + 1):
+        floor = (4 * GiB if i else 2 * GiB) + held
+        t += [i + 0.1, i + 0.5]
+        alloc += [floor, floor + activations(i)]
+        if i < steps:
+            held += kept(i)
+            t.append(i + 0.8)
+            alloc.append(floor + kept(i) + GiB)
+            marks.append(i + 0.9)
+    t.append(steps + 0.7)
+    alloc.append(GiB // 2)
+    return Timeline(
+        t=tuple(t),
+        allocated=tuple(alloc),
+        reserved=tuple(a + GiB for a in alloc),
+        steps=tuple(marks),
+        oom_at=steps + 0.5,
+    )
+
+
+def leak() -> Timeline:
+    """Each step keeps 512 MiB; after 24 steps the 6 GiB of activations no longer fit in 24 GiB."""
+    return training_loop(steps=24, kept=lambda i: 512 * MiB, activations=lambda i: 6 * GiB)
+
+
+def test_memory_kept_every_step_is_a_leak_not_a_long_batch():
+    found = diagnose(plain_24(), training_ctx(source=LEAKY_LOOP, timeline=leak()))
+    growth = finding(found, "growth")
+    assert growth.title == "Memory grows every step"
+    assert (
+        "Allocated after each optimizer step rose 512.00 MiB per step over the last 23 steps: "
+        "11.50 GiB kept across steps" in growth.evidence
+    )
+    assert "allocated, not cached: `torch.cuda.empty_cache()` gives none of it back" in growth.evidence
+    assert growth.saving == 23 * 512 * MiB
+    # The failing step needs 1.5x the median completed step, only because the baseline under it rose.
+    assert "long_samples" not in keys(found)
+    assert found[0].key == "growth"
+
+
+def test_memory_kept_every_step_comes_with_snippets_not_buttons():
+    growth = finding(diagnose(plain_24(), training_ctx(source=LEAKY_LOOP, timeline=leak())), "growth")
+    assert not any(r.automatic or r.new_source for r in growth.remedies)
+    keep = remedy(growth, "keep_numbers")
+    assert keep.saving == 23 * 512 * MiB
+    assert "covers the 1.50 GiB the failed request lacked" in keep.explanation
+    assert "line 8, `losses.append(loss)`" in keep.explanation
+    assert keep.code == (
+        "# line 8, was: losses.append(loss)\nlosses.append(loss.item())\n"
+        "# line 9, was: preds.append(out.logits)\npreds.append(out.logits.detach().cpu())"
+    )
+    assert "torch.no_grad()" in remedy(growth, "no_grad").code
+
+
+def test_the_rewritten_line_keeps_the_rest_of_the_line_as_written():
+    cell = "for b in loader:\n    größe.append(model(b).logits)  # Größe\n    total_loss += out.loss\n"
+    keep = remedy(
+        finding(diagnose(plain_24(), training_ctx(source=cell, timeline=leak())), "growth"), "keep_numbers"
+    )
+    assert "größe.append(model(b).logits.detach().cpu())  # Größe" in keep.code
+    assert "total_loss += out.loss.item()" in keep.code
+
+
+def test_a_loop_outside_the_cell_gets_the_generic_snippet():
+    ctx = training_ctx(source="trainer.train()\n", timeline=leak())
+    keep = remedy(finding(diagnose(plain_24(), ctx), "growth"), "keep_numbers")
+    assert "losses.append(loss.item())" in keep.code and ".detach().cpu()" in keep.code
+
+
+def test_activations_point_at_the_memory_kept_across_steps():
+    act = finding(diagnose(plain_24(), training_ctx(timeline=leak())), "activations")
+    assert "Of that, 11.50 GiB is memory kept across steps, not the batch's activations" in act.evidence
+    assert "“Memory grows every step”" in act.evidence and "loss.item()" not in act.evidence
+
+
+def test_one_big_step_over_a_flat_baseline_is_a_long_batch_not_growth():
+    tl = training_loop(steps=6, activations=lambda i: 20 * GiB if i == 6 else 12 * GiB)
+    found = diagnose(plain_24(), training_ctx(timeline=tl))
+    assert "growth" not in keys(found)
+    assert "The failing step needed 24.00 GiB, 1.5× the median" in finding(found, "long_samples").evidence
+
+
+def test_an_uneven_rise_of_what_stays_is_not_a_long_batch_either():
+    # Odd steps keep 2 GiB, even ones 128 MiB: no steady leak, but no long batch either.
+    tl = training_loop(steps=8, kept=lambda i: 128 * MiB if i % 2 else 2 * GiB, activations=lambda i: 6 * GiB)
+    found = diagnose(plain_24(), training_ctx(timeline=tl))
+    assert "growth" not in keys(found) and "long_samples" not in keys(found)
+    assert "and so, unevenly, did the memory kept between steps" in finding(found, "activations").evidence
+
+
+def test_growth_quiet_without_optimizer_steps():
+    tl = leak()
+    flat = Timeline(t=tl.t, allocated=tl.allocated, reserved=tl.reserved, oom_at=tl.oom_at)
+    assert "growth" not in keys(diagnose(plain_24(), training_ctx(timeline=flat)))
+
+
+def test_growth_quiet_when_too_few_steps_or_too_little_to_matter():
+    three = training_loop(steps=3, kept=lambda i: GiB)  # two rises: not yet a trend
+    assert "growth" not in keys(diagnose(plain_24(), training_ctx(timeline=three)))
+    slow = training_loop(steps=16, kept=lambda i: 8 * MiB)  # 120 MiB: not why 1.50 GiB were missing
+    assert "growth" not in keys(diagnose(plain_24(), training_ctx(timeline=slow)))
+
+
+def test_growth_counts_only_the_steady_rise_up_to_the_failing_step():
+    # Step 3 keeps a one-off 2 GiB buffer; from then on each step keeps 512 MiB.
+    kept = [0, 0, 2 * GiB] + [512 * MiB] * 8
+    floors = [4 * GiB + sum(kept[: i + 1]) for i in range(len(kept))]
+    t = tuple(x for i in range(len(kept)) for x in (i + 1.1, i + 1.5))
+    alloc = tuple(x for f in floors for x in (f, f + 8 * GiB))
+    tl = Timeline(t=t, allocated=alloc, reserved=alloc, steps=tuple(i + 1.0 for i in range(len(kept))))
+    growth = finding(diagnose(plain_24(), training_ctx(timeline=tl)), "growth")
+    assert "rose 512.00 MiB per step over the last 8 steps: 4.00 GiB kept" in growth.evidence
+    uneven = Timeline(t=t, allocated=alloc, reserved=alloc, steps=tl.steps[:5])
+    assert "growth" not in keys(diagnose(plain_24(), training_ctx(timeline=uneven)))
 
 
 # --- reserved churn, async errors, limits ---------------------------------------------------------------
