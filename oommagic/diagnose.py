@@ -3,16 +3,19 @@
 Pure: reads an ``OOMReport``, the run's ``Timeline`` and a ``DiagnosisContext`` (what ``context`` gathered
 from the namespace); imports neither torch nor IPython. Each rule fires on its evidence, names that evidence
 in numbers, and says plainly when the figures do not support a remedy. What a remedy looks like (title,
-snippet, rewrite) is ``remedies``' job; this module decides which apply and ranks them.
+snippet, rewrite) is ``remedies``' job; this module decides which apply and ranks them. The records it
+reads and writes (``DiagnosisContext``, ``Figures``, ``Finding``) live in ``findings`` and are re-exported
+here.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
 from . import remedies as fix
+from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, figures
 from .oom import OOMReport
 from .remedies import MARGIN, TRAINING_STATE, Remedy
 from .rewrite import BatchGuess, names_read
@@ -61,160 +64,6 @@ WEIGHT = {
     "limit": 0.1,  # context, not a fix: the limit was chosen on purpose
 }
 _FIXED_SCORE = ("async_error", "too_large", "limit")
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One cause the figures support: ``evidence`` in numbers, its remedies (largest saving first), the
-    bytes the best of them would save, and ``score`` (higher ranks first)."""
-
-    key: str
-    title: str
-    evidence: str
-    saving: int | None = None
-    remedies: tuple[Remedy, ...] = ()
-    score: float = 0.0
-
-    def to_json(self) -> dict:
-        data = asdict(self)
-        data["remedies"] = [r.to_json() for r in self.remedies]
-        return data
-
-    @classmethod
-    def from_json(cls, data: dict) -> Finding:
-        data = {f.name: data[f.name] for f in fields(cls) if f.name in data}
-        data["remedies"] = tuple(Remedy.from_json(r) for r in data.get("remedies", ()))
-        return cls(**data)
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """A user-namespace variable holding device memory; ``kind`` is tensor/module/optimizer/container.
-    ``in_use``: a function the cell calls reads it (the cell's own source is checked by ``diagnose``)."""
-
-    name: str
-    kind: str
-    bytes: int
-    in_use: bool = False
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
-
-    name: str
-    param_bytes: int
-    dtype: str = "float32"
-    is_hf: bool = False
-    supports_checkpointing: bool = False
-    checkpointing_on: bool = False
-    is_training: bool = False
-
-
-@dataclass(frozen=True)
-class DiagnosisContext:
-    """What the rules need beyond the report: the cell, its timeline, the namespace and the machine."""
-
-    source: str = ""
-    timeline: Timeline = field(default_factory=Timeline)
-    before_allocated: int = 0
-    capacity: int | None = None
-    limit: int | None = None
-    device: str = "cuda:0"
-    leftovers: tuple[Leftover, ...] = ()
-    batch: BatchGuess | None = None
-    models: tuple[ModelInfo, ...] = ()
-    other_gpus: tuple[tuple[int, int], ...] = ()  # (cuda index, free bytes)
-    processes: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes) of other processes, from NVML
-    generation: bool = False
-    max_new_tokens: int | None = None
-    num_beams: int | None = None
-    has_truncation: bool = False
-    autocast_on: bool = False
-    bf16_supported: bool = True
-    async_error: bool = False
-    expandable_segments_on: bool = False
-    grad_accum_name: str | None = None
-
-
-@dataclass(frozen=True)
-class Figures:
-    """The sums every rule shares. ``demand``: allocated bytes the cell wanted at its peak;
-    ``shortfall``: how many of them were missing; ``fixed``: what does not scale with the batch;
-    ``activations``: the rest."""
-
-    budget: int | None = None
-    requested: int | None = None
-    demand: int | None = None
-    shortfall: int | None = None
-    fixed: int = 0
-    activations: int | None = None
-    training: bool = False
-    state: int = 0  # weights (x4 when training: gradients and Adam moments)
-
-    @property
-    def available(self) -> int | None:
-        """What PyTorch could have held at best: what it wanted minus what was missing."""
-        if self.demand is not None and self.shortfall is not None:
-            return self.demand - self.shortfall
-        return self.budget
-
-    def verdict(self, saving: int | None) -> str:
-        """A sentence saying whether ``saving`` covers the shortfall."""
-        if saving is None or self.shortfall is None:
-            return ""
-        # The shortfall is that of the request that failed: later allocations of the step may want more.
-        if saving >= self.shortfall:
-            return f" By these figures that covers the {fmt(self.shortfall)} the failed request lacked."
-        return (
-            f" By these figures that alone is not enough: the failed request lacked "
-            f"{fmt(self.shortfall)}, {fmt(self.shortfall - saving)} more than this saves."
-        )
-
-    def coverage(self, saving: int | None) -> float:
-        """Share of the shortfall (else of the request or budget) that ``saving`` covers, at most 1."""
-        if not saving or saving <= 0:
-            return 0.0
-        ref = self.shortfall or self.requested or self.budget
-        return min(saving / ref, 1.0) if ref else 0.5
-
-
-def figures(report: OOMReport | None, ctx: DiagnosisContext) -> Figures:
-    """Budget, demand, shortfall and the batch-independent share, from the report and the context."""
-    limit = ctx.limit or (report.limit if report else None)
-    capacity = ctx.capacity or (report.capacity if report else None)
-    budget = min(b for b in (limit, capacity) if b) if (limit or capacity) else None
-    req = report.requested if report else None
-    tl = ctx.timeline
-    demands = [tl.peak_allocated] if tl.allocated else []
-    if req is not None and report is not None and report.allocated is not None:
-        demands.append(report.allocated + req)
-    elif req is not None and tl.allocated:
-        demands.append(tl.allocated[-1] + req)
-    demand = max(demands) if demands else None
-
-    shortfall = None
-    if req is not None and report is not None:
-        held = report.reserved if report.reserved is not None else report.allocated
-        # Under a per-process limit the allocator weighs its reserved total against the limit, not free
-        # device memory.
-        room = (limit - held) if limit and held is not None else report.free
-        shortfall = req - max(room, 0) if room is not None else None
-    if (shortfall is None or shortfall <= 0) and demand and budget:
-        shortfall = demand - budget if demand > budget else None
-
-    state = sum(m.param_bytes * (TRAINING_STATE if m.is_training else 1) for m in ctx.models)
-    # The model's state is either already in before_allocated (loaded earlier) or built by the cell: the
-    # larger of the two is a floor for what stays whatever the batch.
-    fixed = max(ctx.before_allocated, state)
-    activations = demand - fixed if demand is not None and demand > fixed else None
-    return Figures(budget, req, demand, shortfall, fixed, activations, _training(ctx), state)
-
-
-def _training(ctx: DiagnosisContext) -> bool:
-    if any(m.is_training for m in ctx.models) or ctx.grad_accum_name:
-        return True
-    return not ctx.models and any(s in ctx.source for s in (".backward(", "Trainer(", ".train("))
 
 
 def diagnose(report: OOMReport | None, ctx: DiagnosisContext) -> list[Finding]:

@@ -25,7 +25,7 @@ from .rewrite import (
 from .sizes import format_bytes as fmt
 
 if TYPE_CHECKING:
-    from .diagnose import DiagnosisContext, Figures
+    from .findings import DiagnosisContext, Figures
 
 MIB = 1024**2
 # Measured on GPT-2 124M on an H200 (DESIGN.md): bf16 autocast cut the peak 16%, three times faster;
