@@ -246,7 +246,7 @@ def _step_growth(tl: Timeline, fig: Figures) -> str:
     if len(peaks) < 3 or not rising or peaks[-1] < peaks[0] * 1.05:
         return ""
     grew = f" Each step's peak grew ({' → '.join(fmt(p) for p in peaks[-4:])})"
-    floors = _floors(tl)
+    floors = tl.step_floors()
     if not floors:
         return grew + "."
     if floors[-1] - floors[0] < (peaks[-1] - peaks[0]) / 4:
@@ -259,32 +259,6 @@ def _step_growth(tl: Timeline, fig: Figures) -> str:
         "something may keep tensors across steps, e.g. `losses.append(loss)` keeps each step's graph; "
         "append `loss.item()` instead."
     )
-
-
-def _floors(tl: Timeline) -> list[int]:
-    """The lowest allocated level from each optimizer step to the next (the last: to the out-of-memory
-    event, or the end): what stays from step to step, once gradients are zeroed and before the next batch
-    comes in; an interval without events keeps the level it started with. The troughs, not the level at
-    the step's instant: the step hook's clock and the allocator trace's can differ by more than the
-    microseconds between the optimizer's own allocations and the frees of `zero_grad()`."""
-    if not tl.steps or not tl.allocated:
-        return []
-    # The memory given back after the error (frames freed, the cell's tensors dropped) is no baseline.
-    end = tl.oom_at if tl.oom_at is not None else float("inf")
-    # A truncated trace starts late: the levels before its first event are not the same replay.
-    known = tl.t[1] if tl.truncated and len(tl.t) > 1 else float("-inf")
-    floors: list[int] = []
-    level, i, n = tl.allocated[0], 0, len(tl.t)
-    for start, stop in itertools.pairwise([*(s for s in tl.steps if s < end), end]):
-        while i < n and tl.t[i] <= start:
-            level, i = tl.allocated[i], i + 1
-        low = None
-        while i < n and tl.t[i] <= stop:
-            level, i = tl.allocated[i], i + 1
-            low = level if low is None else min(low, level)
-        if start >= known:
-            floors.append(level if low is None else low)
-    return floors
 
 
 @dataclass(frozen=True)
@@ -301,7 +275,7 @@ class _Growth:
 
 def _retained_growth(tl: Timeline, fig: Figures) -> _Growth | None:
     """The steady rise of what stays between steps, up to the failing step, where it matters."""
-    rises = [b - a for a, b in itertools.pairwise(_floors(tl))]
+    rises = [b - a for a, b in itertools.pairwise(tl.step_floors())]
     rising = list(itertools.takewhile(lambda d: d > 0, reversed(rises)))
     if len(rising) < GROWTH_STEPS:
         return None
@@ -406,7 +380,7 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
         return None
     # A long batch is one step far above the others over a flat baseline; where what stays between steps
     # rose steadily, or by half the excess, the step is big because memory was kept: the growth finding.
-    floors = _floors(tl)
+    floors = tl.step_floors()
     if _retained_growth(tl, fig) or (floors and floors[-1] - min(floors) >= (fig.demand - median) / 2):
         return None
     evidence = (

@@ -5,6 +5,7 @@ Pure: the recorders in ``capture`` build it, the views and the diagnosis read it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -74,6 +75,31 @@ class Timeline:
                 b += 1
             peaks[b] = max(peaks[b], a)
         return peaks
+
+    def step_floors(self) -> list[int]:
+        """The lowest allocated level from each optimizer step to the next (the last: to the out-of-memory
+        event, or the end): what stays from step to step, once gradients are zeroed and before the next batch
+        comes in; an interval without events keeps the level it started with. The troughs, not the level at
+        the step's instant: the step hook's clock and the allocator trace's can differ by more than the
+        microseconds between the optimizer's own allocations and the frees of `zero_grad()`."""
+        if not self.steps or not self.allocated:
+            return []
+        # The memory given back after the error (frames freed, the cell's tensors dropped) is no baseline.
+        end = self.oom_at if self.oom_at is not None else float("inf")
+        # A truncated trace starts late: the levels before its first event are not the same replay.
+        known = self.t[1] if self.truncated and len(self.t) > 1 else float("-inf")
+        floors: list[int] = []
+        level, i, n = self.allocated[0], 0, len(self.t)
+        for start, stop in itertools.pairwise([*(s for s in self.steps if s < end), end]):
+            while i < n and self.t[i] <= start:
+                level, i = self.allocated[i], i + 1
+            low = None
+            while i < n and self.t[i] <= stop:
+                level, i = self.allocated[i], i + 1
+                low = level if low is None else min(low, level)
+            if start >= known:
+                floors.append(level if low is None else low)
+        return floors
 
     def to_json(self) -> dict:
         return {

@@ -54,3 +54,12 @@ def test_cuda_trace_replay_matches_the_allocator_counters():
     assert abs(tl.oom_at - 0.0005) < 1e-9
     assert tl.steps == (0.0003,) and tl.events == 6
     assert not tl.truncated
+
+
+def test_step_floors_are_what_stays_between_steps():
+    # Each step: the batch comes in (+100), is freed (-100), and 10 bytes stay (a leak).
+    t = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9)
+    alloc = (0, 100, 10, 110, 20, 120, 30, 130, 40, 0)  # the last sample: memory given back after the OOM
+    tl = Timeline(t=t, allocated=alloc, reserved=alloc, steps=(1.5, 3.5, 5.5, 7.5), oom_at=8.5)
+    assert tl.step_floors() == [10, 20, 30, 40]
+    assert Timeline().step_floors() == []
