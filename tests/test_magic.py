@@ -213,3 +213,15 @@ def test_keep_leaves_them_bound(shell, run_cell):
     assert isinstance(result.error_in_exec, CellOutOfMemory)
     assert last_run().dropped == [] and shell.user_ns["bound_big"].numel() == 32 * MiB
     del shell.user_ns["bound_big"]
+
+
+def test_an_oom_in_an_unknown_format_is_still_caught_and_kept(run_cell):
+    result, out = run_cell(
+        "%%gpumem\nclass OutOfMemoryError(RuntimeError):\n    pass\n"
+        "raise OutOfMemoryError('accelerator said: no room (code 7)')"
+    )
+    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    run = last_run()
+    assert run.report.source == "unknown" and "no room (code 7)" in run.report.text
+    assert run.report.requested is None
+    assert "Traceback" not in out
