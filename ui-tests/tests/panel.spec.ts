@@ -4,15 +4,9 @@
  * fixes, one retries it; the sidebar lists the run with its diagnosis and writes the fix into the
  * cell as one undoable edit, and still shows the runs after a kernel restart and a page reload.
  */
-import {
-  expect,
-  IJupyterLabPageFixture,
-  JupyterLabPage,
-  test
-} from '@jupyterlab/galata';
-import { Locator } from '@playwright/test';
+import { expect, JupyterLabPage, test } from '@jupyterlab/galata';
 
-const SHOTS = 'test-results/screenshots';
+import { cellSource, openPanel, SHOTS, writeCell } from './helpers';
 
 // The batch's tensors are local to `step`: a re-run of the cell then starts from the same memory as
 // the first run (top-level tensors of a successful run stay bound until the re-run rebinds them).
@@ -28,45 +22,9 @@ const OOM_CELL = [
 
 const HEADLINE = /needed [\d.]+ MiB more than the 64\.00 MiB limit had/;
 
-/**
- * Put `source` into cell `index` of the current notebook through its model: typing it would let the
- * editor's auto-indent and bracket closing change it.
- */
-async function writeCell(
-  page: IJupyterLabPageFixture,
-  index: number,
-  source: string
-): Promise<void> {
-  await page.evaluate(
-    ([i, text]) => {
-      const nb = (window as any).jupyterapp.shell.currentWidget.content;
-      nb.widgets[i].model.sharedModel.setSource(text);
-    },
-    [index, source] as const
-  );
-}
-
-/** The source of cell `index` of the current notebook, read from its model. */
-async function cellSource(
-  page: IJupyterLabPageFixture,
-  index: number
-): Promise<string> {
-  return page.evaluate(i => {
-    const nb = (window as any).jupyterapp.shell.currentWidget.content;
-    return nb.widgets[i].model.sharedModel.getSource() as string;
-  }, index);
-}
-
 function batchSize(source: string): number {
   const match = /^batch_size = (\d+)$/m.exec(source);
   return match ? Number(match[1]) : NaN;
-}
-
-async function openPanel(page: IJupyterLabPageFixture): Promise<Locator> {
-  await page.sidebar.openTab('oommagic-panel');
-  const panel = page.locator('#oommagic-panel');
-  await expect(panel).toBeVisible();
-  return panel;
 }
 
 // Galata's kernel API mock answers every POST as a creation (201), which breaks a kernel restart; the
