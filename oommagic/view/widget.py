@@ -6,7 +6,9 @@ retried) and the widget shows the latest one. Message text is escaped wherever i
 
 from __future__ import annotations
 
+import contextlib
 import html
+from collections.abc import Iterator
 from typing import Any
 
 from ..cellrun import CellRun
@@ -131,20 +133,35 @@ class ReportWidget:
         self.findings.children = boxes
         self.attempts.value = attempts_html(self.runs) if len(self.runs) > 1 else ""
 
+    @contextlib.contextmanager
+    def _one_at_a_time(self) -> Iterator[None]:
+        """Hold every button down while a retry or a search runs; they come back up afterwards unless
+        a retry solved the cell (``_after_retry`` decides)."""
+        self.busy = True
+        for b in self.buttons:
+            b.disabled = True
+        try:
+            yield
+        finally:
+            self.busy = False
+            if not self.solved:
+                for b in self.buttons:
+                    b.disabled = False
+
+    def _accepts(self, button: Any) -> bool:
+        # Clicks queued while a retry ran arrive afterwards on buttons that are no longer shown.
+        return not (self.busy or self.solved) and button in self.buttons
+
     def retry(self, button: Any, run: CellRun, remedy: Any) -> None:
         """Re-run the cell with ``remedy`` into this widget's output area; one retry at a time."""
-        # Clicks queued while a retry ran arrive afterwards on buttons that are no longer shown.
-        if self.busy or self.solved or button not in self.buttons:
+        if not self._accepts(button):
             return
         from .. import comm
         from ..retry import spec_for
         from ..runner import execute
 
-        self.busy = True
-        for b in self.buttons:
-            b.disabled = True
         new = None
-        try:
+        with self._one_at_a_time():
             with self.output:
                 print(f"retrying with: {remedy.title}")
                 if remedy.new_source:
@@ -160,43 +177,30 @@ class ReportWidget:
                 new.cell_id = run.cell_id
                 new.execution_count = run.execution_count
                 comm.publish(new)
-        finally:
-            self.busy = False
             if new is not None:
                 self.runs.append(new)
                 self._after_retry(new, remedy)
-            else:
-                for b in self.buttons:
-                    b.disabled = False
 
     def find_batch(self, button: Any, run: CellRun, name: str) -> Any:
         """Search the largest ``name`` that fits (``%%gpumem --find-batch``) into the output area."""
-        if self.busy or self.solved or button not in self.buttons:
+        if not self._accepts(button):
             return None
         from ..batch_search import find_batch_magic
         from ..release import collect
         from ..runner import RunSpec
 
-        self.busy = True
-        for b in self.buttons:
-            b.disabled = True
         search = None
-        try:
-            with self.output:
-                collect(run.device)
-                spec = RunSpec(
-                    source=run.source,
-                    device=run.options.get("device") or run.device,
-                    limit=run.limit,
-                    options=dict(run.options),
-                )
-                search = find_batch_magic(self.shell, spec, name)
-                print(search.summary())
-            return search
-        finally:
-            self.busy = False
-            for b in self.buttons:
-                b.disabled = False
+        with self._one_at_a_time(), self.output:
+            collect(run.device)
+            spec = RunSpec(
+                source=run.source,
+                device=run.options.get("device") or run.device,
+                limit=run.limit,
+                options=dict(run.options),
+            )
+            search = find_batch_magic(self.shell, spec, name)
+            print(search.summary())
+        return search
 
     def _after_retry(self, new: CellRun, remedy: Any) -> None:
         w = self._w
