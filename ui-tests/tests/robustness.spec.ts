@@ -100,7 +100,11 @@ test.describe('oommagic when runs are cut short', () => {
     await startCell(page, panel, 1);
     const started = Date.now();
 
+    // B is made before A is closed: a "File > New" right after a close prompt was flaky in Galata.
+    await notebookWithMagic(page, 'b.ipynb', QUICK_CELL);
+
     await test.step('close notebook A (saved, kernel kept running)', async () => {
+      await page.activity.activateTab('a.ipynb');
       const kernelOfA: string = await page.evaluate(
         () =>
           (window as any).jupyterapp.shell.currentWidget.sessionContext.session
@@ -119,7 +123,6 @@ test.describe('oommagic when runs are cut short', () => {
         }
         await expect(tab).toHaveCount(0, { timeout: 500 });
       }).toPass({ timeout: 15_000 });
-      // A save prompt still fading out would swallow the next "File > New" (and its dialog).
       await expect(page.locator('.jp-Dialog')).toHaveCount(0);
       // (Its session's path may still be Galata's first name for it: the rename is patched later.)
       const kernels = await (await page.request.get('api/kernels')).json();
@@ -127,7 +130,7 @@ test.describe('oommagic when runs are cut short', () => {
     });
 
     await test.step('a run in notebook B shows in the panel', async () => {
-      await notebookWithMagic(page, 'b.ipynb', QUICK_CELL);
+      await page.activity.activateTab('b.ipynb');
       await expect(panel.locator('.oommagic-notebook-name')).toContainText(
         'b.ipynb'
       );
