@@ -72,10 +72,17 @@ def test_a_retry_that_fails_again_shows_a_new_report_in_the_same_widget(shell, f
     widget = ReportWidget(failed, shell)
     shell.user_ns["torch"] = torch
     retry = widget.click("autocast")  # bf16 on CPU halves the activations, not enough under 24 MiB
-    if retry.outcome == "oom":
-        assert widget.latest is retry and widget.buttons, "the new report offers its own fixes"
-        assert retry.id in {r.id for r in widget.runs}
+    assert retry.outcome == "oom", retry.headline()
     assert not torch.is_autocast_enabled("cpu"), "autocast is switched off again after the retry"
+    assert widget.latest is retry and [r.id for r in widget.runs] == [failed.id, retry.id]
+    assert retry.parent == failed.id and retry.findings, "the new report has its own diagnosis"
+    assert "oommagic-retry-ok" not in str([c._dom_classes for c in widget.result.children])
+    # The new report's buttons work in the same widget; each further retry builds on the last report.
+    chain = [retry]
+    while chain[-1].outcome == "oom" and len(chain) < 4:
+        chain.append(widget.click("batch"))
+    assert chain[-1].outcome == "ok", [r.headline() for r in chain]
+    assert [r.parent for r in chain[1:]] == [r.id for r in chain[:-1]]
 
 
 def test_leftovers_are_listed_and_freed(shell, run_cell):
