@@ -36,7 +36,8 @@ def parse_size(text: str) -> int:
     unit = match.group(2).lower() if match else None
     if not match or unit not in _UNITS:
         raise ValueError(f"expected a size like 24GiB, 8GB, 512MiB or 4096 (bytes), got {text!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
+    # Decimal, as for reported sizes: "1.1GiB" is exactly 1.1 × 1024**3, rounded down to whole bytes.
+    return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
 def format_bytes(n: int | None) -> str:
