@@ -276,6 +276,10 @@ class _Growth:
 def _retained_growth(tl: Timeline, fig: Figures) -> _Growth | None:
     """The steady rise of what stays between steps, up to the failing step, where it matters."""
     rises = [b - a for a, b in itertools.pairwise(tl.step_floors())]
+    # The interval the error ended is cut short: where the failing allocation was the one the step would
+    # have kept, nothing was kept yet and its floor repeats the one before.
+    if tl.oom_at is not None and rises and rises[-1] <= 0:
+        rises.pop()
     rising = list(itertools.takewhile(lambda d: d > 0, reversed(rises)))
     if len(rising) < GROWTH_STEPS:
         return None

@@ -86,6 +86,30 @@ def test_oom_in_cell_gives_memory_back(shell, run_cell):
     assert "needed" in out
 
 
+# A leak whose kept tensor is each step's first allocation: the error comes at that allocation, so the
+# step it cut short kept nothing. The growth over the complete steps must still be found, and first.
+LEAK_FIRST = """%%gpumem --limit 4GiB --no-raise --quiet
+def slow_fill(steps):
+    w = torch.nn.Parameter(torch.zeros(1024))
+    opt = torch.optim.SGD([w], lr=0.1)
+    kept = []
+    for _ in range(steps):
+        kept.append(torch.empty(256 * 1024**2, dtype=torch.uint8))  # never touched: no RAM used
+        w.grad = torch.ones_like(w)
+        opt.step()
+slow_fill(100)
+"""
+
+
+def test_a_leak_allocated_first_in_each_step_is_diagnosed_as_growth(run_cell):
+    run_cell(LEAK_FIRST)
+    run = last_run()
+    assert run.outcome == "oom" and len(run.timeline.steps) == 15
+    top = run.findings[0]
+    assert top.key == "growth", [f.key for f in run.findings]
+    assert "rose 256.00 MiB per step over the last 13 steps" in top.evidence
+
+
 def test_huge_request_is_refused_before_it_is_allocated(run_cell):
     # 1 TiB would not fit in this machine: the emulated limit must refuse it from the factory's size.
     result, _ = run_cell("%%gpumem --limit 1GiB --quiet\nbig = torch.empty(1024**4, dtype=torch.uint8)")

@@ -71,6 +71,9 @@ def test_slow_fill_across_optimizer_steps(cell, rounding):
     # Each completed step left one 256 MiB chunk; the message rounds to two decimals.
     assert abs(rep.allocated - base - len(tl.steps) * 256 * MiB) <= rounding(rep.allocated) + 2 * MiB
     assert abs(torch.cuda.memory_allocated() - base) <= 2 * MiB
+    # What filled the card: the chunk kept every step, found from the allocated level between steps.
+    assert run.findings[0].key == "growth", [f.key for f in run.findings]
+    assert "rose 256.00 MiB per step" in run.findings[0].evidence
 
 
 # Every step: a growing activation block is freed, then (after the optimizer step) a scratch block and a
