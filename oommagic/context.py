@@ -8,6 +8,7 @@ read: it leaves that figure out.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import gc
 import os
@@ -80,6 +81,7 @@ def gather_context(
         generation=_generates(source, namespace),
         max_new_tokens=_keyword_int(source, "max_new_tokens", ints),
         num_beams=_keyword_int(source, "num_beams", ints),
+        prompt_tokens=prompt_tokens(source, namespace),
         has_truncation=bool(_TRUNCATION.search(source)),
         # A retry that ran under autocast or expandable segments has them switched off again by now.
         autocast_on="autocast" in change or bool(_AUTOCAST.search(source)),
@@ -373,6 +375,34 @@ def _keyword_int(source: str, keyword: str, ints: dict[str, int]) -> int | None:
         return None
     value = match.group(1)
     return int(value) if value.isdigit() else ints.get(value)
+
+
+def prompt_tokens(source: str, namespace: dict) -> int | None:
+    """The length of the inputs of the cell's first ``.generate(...)``: its first argument or its
+    ``input_ids=`` / ``inputs=``, or the ``input_ids`` of ``**encoding``, where that names a tensor in the
+    namespace. None where the cell builds them itself or does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr != "generate":
+            continue
+        given = [*node.args[:1], *(k.value for k in node.keywords if k.arg in ("input_ids", "inputs"))]
+        spread = [k.value for k in node.keywords if k.arg is None]
+        for expr, key in [(e, None) for e in given] + [(e, "input_ids") for e in spread]:
+            if not isinstance(expr, ast.Name):
+                continue
+            value = namespace.get(expr.id)
+            with contextlib.suppress(Exception):  # a mapping without the key, an object without a shape
+                value = value[key] if key else value
+                shape = value.shape
+                if len(shape) >= 1:
+                    return int(shape[-1])
+        return None
+    return None
 
 
 # --- the machine --------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ LONG_STEP = 1.3
 # the same tensors every step; an uneven rise is something else), and the rise makes up at least this
 # share of the shortfall (a slow leak is not why this step ran out).
 GROWTH_STEPS = 3
+# The input length the truncation remedy offers.
+TRUNCATE_TO = 512
 GROWTH_SPREAD = 2.0
 GROWTH_SHARE = 0.5
 # How firmly the figures back a finding's saving: measured bytes over estimates over hopes.
@@ -334,11 +336,13 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     if not ctx.generation:
         return None
     act = fig.activations
+    # The KV cache holds every token, the prompt's and the generated ones: where the prompt length is
+    # known, halving max_new_tokens saves that share of it; where not, as if the generated were all.
+    prompt = ctx.prompt_tokens or 0
     remedies = []
     if ctx.max_new_tokens and ctx.max_new_tokens >= 2:
         old, new = ctx.max_new_tokens, ctx.max_new_tokens // 2
-        # An upper bound: as if the generated tokens were the whole sequence.
-        saving = act * (old - new) // old if act else None
+        saving = act * (old - new) // (prompt + old) if act else None
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
     elif ctx.max_new_tokens is None:
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", None, 256, None))
@@ -347,8 +351,19 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, 1, saving))
     batch, note = _batch_remedy(ctx, fig, training=False)
     remedies.append(batch)
-    if not ctx.has_truncation:
+    if ctx.prompt_tokens is not None:
+        note += f" The prompts are {ctx.prompt_tokens} tokens long"
+    if ctx.has_truncation:
+        note += "." if ctx.prompt_tokens is not None else ""
+    elif ctx.prompt_tokens is None:
         remedies.append(fix.truncate(ctx, fig, None))
+    elif ctx.prompt_tokens > TRUNCATE_TO:
+        cut = ctx.prompt_tokens - TRUNCATE_TO
+        saving = act * cut // (ctx.prompt_tokens + (ctx.max_new_tokens or 0)) if act else None
+        remedies.append(fix.truncate(ctx, fig, saving, TRUNCATE_TO))
+        note += "."
+    else:
+        note += f": truncating them to {TRUNCATE_TO} would change nothing."
     evidence = (
         _split_evidence(ctx, fig)
         + " In generation that is mostly the KV cache and logits, which grow with batch × beams × tokens"

@@ -85,6 +85,7 @@ class DiagnosisContext:
     generation: bool = False
     max_new_tokens: int | None = None
     num_beams: int | None = None
+    prompt_tokens: int | None = None  # the length of the inputs handed to generate(), where readable
     has_truncation: bool = False
     autocast_on: bool = False
     bf16_supported: bool = True

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from oommagic.cellrun import CellRun
-from oommagic.context import expandable_segments_on, free_names, gather_context
+from oommagic.context import expandable_segments_on, free_names, gather_context, prompt_tokens
 from oommagic.diagnose import BatchGuess, diagnose
 
 FLOAT = 4
@@ -122,6 +122,19 @@ def test_generation_settings_read_from_the_source_and_namespace():
     assert ctx.generation and ctx.max_new_tokens == 300 and ctx.num_beams == 4 and ctx.has_truncation
     plain = context("out = model(x)\n", {})
     assert not plain.generation and plain.max_new_tokens is None and not plain.has_truncation
+
+
+def test_the_prompt_length_is_read_from_the_generate_call():
+    ids = torch.zeros(4, 37, dtype=torch.long)
+    assert prompt_tokens("out = model.generate(ids, max_new_tokens=8)\n", {"ids": ids}) == 37
+    assert prompt_tokens("model.generate(input_ids=ids)\n", {"ids": ids}) == 37
+    assert prompt_tokens("model.generate(**enc)\n", {"enc": {"input_ids": ids}}) == 37
+    assert context("out = model.generate(ids)\n", {"ids": ids}).prompt_tokens == 37
+    # Built in the cell, missing, not a tensor, or unparsable: unknown.
+    assert prompt_tokens("model.generate(ids[:, :5])\n", {"ids": ids}) is None
+    assert prompt_tokens("model.generate(ids)\n", {}) is None
+    assert prompt_tokens("model.generate(**enc)\n", {"enc": {"mask": ids}}) is None
+    assert prompt_tokens("model.generate(ids\n", {"ids": ids}) is None
 
 
 def test_training_arguments_flags_are_read():

@@ -389,6 +389,21 @@ def test_generation_lowers_tokens_and_beams_and_truncates_prompts():
     assert "activations" not in keys(diagnose(plain_24(), generation_ctx()))
 
 
+def test_generation_with_short_prompts_offers_no_truncation_and_counts_them_in_the_cache():
+    gen = finding(diagnose(plain_24(), generation_ctx(prompt_tokens=32)), "generation")
+    assert "truncate" not in [r.kind for r in gen.remedies]
+    assert "The prompts are 32 tokens long: truncating them to 512 would change nothing." in gen.evidence
+    # The cache holds 32 + 2048 tokens per sequence; halving max_new_tokens drops 1024 of them.
+    assert remedy(gen, "max_new_tokens").saving == 10 * GiB * 1024 // (32 + 2048)
+
+
+def test_generation_with_long_prompts_estimates_what_truncation_saves():
+    gen = finding(diagnose(plain_24(), generation_ctx(prompt_tokens=2048)), "generation")
+    cut = remedy(gen, "truncate")
+    assert cut.saving == 10 * GiB * (2048 - 512) // (2048 + 2048)
+    assert "The prompts are 2048 tokens long." in gen.evidence
+
+
 def test_generation_without_max_new_tokens_says_the_figures_cannot_tell():
     cell = "out = model.generate(**inputs)\n"
     gen = finding(
