@@ -50,6 +50,7 @@ class Trial:
     fits: bool
     seconds: float
     peak_reserved: int = 0
+    peak_allocated: int = 0
 
 
 @dataclass
@@ -93,7 +94,7 @@ class Bench:
             if is_oom(err):
                 self.log.append(Trial(batch, False, time.perf_counter() - t0))
             raise
-        self.log.append(Trial(batch, True, time.perf_counter() - t0, held.peak_reserved))
+        self.log.append(Trial(batch, True, time.perf_counter() - t0, held.peak_reserved, held.peak_allocated))
         return held.peak_reserved
 
     def _steps(self, batch: int) -> None:
@@ -176,7 +177,10 @@ def pure_next_batch(bench: Bench) -> int | None:
 
     def attempt(b: int, role: str) -> bool:
         try:
-            t = search.Trial(b, True, bench.raw(b), role=role)
+            bench.raw(b)
+            t = search.Trial(
+                b, True, bench.log[-1].peak_reserved, role=role, peak_allocated=bench.log[-1].peak_allocated
+            )
         except Exception as err:
             if not is_oom(err):
                 raise

@@ -293,11 +293,12 @@ def summarise(name: str, res: Results, device: str, judged: bool) -> tuple[list[
     _, worst_tl = error_text(gpumem, "timeline_peak")
     if worst is not None:
         report.summary(
-            f"capture {name}: %%gpumem peak error",
-            f"{worst:+d} B (timeline {worst_tl:+d} B)",
-            "0 B",
-            worst == 0 and worst_tl == 0 if judged else None,
+            f"capture {name}: %%gpumem peak error", f"{worst:+d} B", "0 B", worst == 0 if judged else None
         )
+    if worst_tl is not None:
+        # The plot's curve is replayed from the trace, which records requested sizes; the allocator counts
+        # whole blocks, at times a cached block up to 1 MiB larger than the request.
+        report.summary(f"capture {name}: timeline maximum error", f"{worst_tl:+d} B", "(reference)", None)
     for v in ("history stacks=all", "poll 1 kHz", "NVML 10 Hz"):
         if v in ratios:
             report.summary(

@@ -123,9 +123,11 @@ def clean(device: str) -> None:
 
 @dataclass
 class Held:
-    """Peak reserved bytes while a ``memory_limit`` block ran (absolute, not above a baseline)."""
+    """Peak reserved and allocated bytes while a ``memory_limit`` block ran (absolute, not above a
+    baseline; the CPU emulation counts no cache, so there they are the same)."""
 
     peak_reserved: int = 0
+    peak_allocated: int = 0
 
 
 @contextlib.contextmanager
@@ -145,6 +147,7 @@ def memory_limit(device: str, limit: int) -> Iterator[Held]:
             yield held
         finally:
             held.peak_reserved = torch.cuda.max_memory_reserved(index)
+            held.peak_allocated = torch.cuda.max_memory_allocated(index)
             torch.cuda.set_per_process_memory_fraction(old, index)
     else:
         from oommagic.capture import CpuRecorder
@@ -154,4 +157,4 @@ def memory_limit(device: str, limit: int) -> Iterator[Held]:
             with recorder:
                 yield held
         finally:
-            held.peak_reserved = recorder.recording().peak_reserved
+            held.peak_reserved = held.peak_allocated = recorder.recording().peak_reserved

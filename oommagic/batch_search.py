@@ -1,9 +1,12 @@
-"""Find the largest batch size that fits: two probes, an affine fit of peak reserved memory against
+"""Find the largest batch size that fits: two probes, an affine fit of peak allocated memory against
 batch size, a check of the prediction, a refinement when the check fails.
 
-Peak memory of a training step is affine in batch size (GPT-2 124M, seq 512, AdamW, fp32 on an H200:
-1.48 GiB + 0.827 GiB per sample; a line through two probes predicted batch 64 within 0.1%). With
-gradient checkpointing the line under-predicts by 10–14%, hence the margin and the refinement.
+Peak *allocated* memory of a training step is affine in batch size, gradient checkpointing included
+(GPT-2 124M, seq 512, AdamW on an H200, in benchmarks/RESULTS.md: fp32 1.49 GiB + 0.790 GiB per sample,
+checkpointing 1.45 GiB + 0.309 GiB per sample, within 0.3%). Peak *reserved* memory, what the limit
+weighs, is not: what the allocator keeps cached but unused came to 3.2 GiB at checkpointing's batch 32
+and 1.0 GiB at 64. So the line is fitted on allocated, and the budget it is held to is the limit less
+the unused reserve of the largest batch that fit (the nearest to the answer), less a small margin.
 """
 
 from __future__ import annotations
@@ -27,6 +30,16 @@ class Trial:
     peak_reserved: int
     wall_s: float = 0.0
     role: str = "probe"
+    peak_allocated: int | None = None  # None: as much as reserved (the CPU mode counts no cache)
+
+    @property
+    def allocated(self) -> int:
+        return self.peak_reserved if self.peak_allocated is None else self.peak_allocated
+
+    @property
+    def unused(self) -> int:
+        """Reserved but not allocated at the peaks: the allocator's cache and fragments."""
+        return max(0, self.peak_reserved - self.allocated)
 
 
 @dataclass
@@ -48,21 +61,29 @@ class BatchSearch:
             f"({len(self.trials)} trials)"
         ]
         for i, t in enumerate(self.trials, 1):
-            status = f"peak reserved {format_bytes(t.peak_reserved)}" if t.fits else "out of memory"
+            status = _status(t)
             lines.append(f"  {i}. {t.role:<7} {self.name}={t.batch:<6} {status}")
         if self.source:
             lines.append("the cell with that batch:\n" + self.source)
         return "\n".join(lines)
 
 
+def _status(t: Trial) -> str:
+    if not t.fits:
+        return "out of memory"
+    if t.unused == 0:
+        return f"peak reserved {format_bytes(t.peak_reserved)}"
+    return f"peak {format_bytes(t.allocated)} allocated, {format_bytes(t.peak_reserved)} reserved"
+
+
 def fit_line(trials: list[Trial]) -> tuple[float, float] | None:
-    """(intercept, slope) of peak reserved against batch through the two largest fitting batches."""
+    """(intercept, slope) of peak allocated against batch through the two largest fitting batches."""
     fitting = sorted({t.batch: t for t in trials if t.fits}.values(), key=lambda t: t.batch)
     if len(fitting) < 2:
         return None
     a, b = fitting[-2], fitting[-1]
-    slope = (b.peak_reserved - a.peak_reserved) / (b.batch - a.batch)
-    return a.peak_reserved - slope * a.batch, slope
+    slope = (b.allocated - a.allocated) / (b.batch - a.batch)
+    return a.allocated - slope * a.batch, slope
 
 
 def next_batch(
@@ -70,28 +91,30 @@ def next_batch(
 ) -> int | None:
     """The batch to try next, or None when the search is done. Pure: decided from the trials alone.
 
-    With one fitting trial (b, peak) the next is ``b × budget / peak``: peak memory is affine in the
-    batch with a non-negative fixed part, so that batch fits too and lands near the maximum (where it
-    failed already, the curve bends upwards and the search bisects). With two,
-    the line through them predicts the largest batch under ``budget`` less ``margin``. The search stops
-    when the best fitting batch is within ``tolerance`` of the largest one the line allows at the full
-    budget (or below the smallest failure).
+    Allocated memory may use the budget less what the largest fitting trial held reserved but unused,
+    less ``margin``. With one fitting trial (b, peak) the next is ``b × room / peak``: peak memory is
+    affine in the batch with a non-negative fixed part, so that batch fits too and lands near the
+    maximum (where it failed already, the curve bends upwards and the search bisects). With two, the
+    line through them predicts the largest batch. The search stops when the best fitting batch is within
+    ``tolerance`` of the largest one the line allows at the full budget (or below the smallest failure);
+    until then, where the margin leaves nothing to try, it tries halfway to that largest batch.
     """
-    fits = [t.batch for t in trials if t.fits]
+    fits = [t for t in trials if t.fits]
     fails = [t.batch for t in trials if not t.fits]
-    lo = max(fits, default=0)
+    lo = max((t.batch for t in fits), default=0)
     hi = min(fails, default=None)
     if hi is not None and hi - lo <= 1:
         return None
     if lo == 0:
         return None if hi is None or hi <= 1 else max(1, hi // 2)
-    target = budget * (1 - margin)
+    best = max(fits, key=lambda t: t.batch)
+    room = budget - best.unused
+    target = room - budget * margin
     line = fit_line(trials)
     if line is None or line[1] <= 0:
-        best = max((t for t in trials if t.fits), key=lambda t: t.batch)
-        guess = math.floor(best.batch * target / max(best.peak_reserved, 1))
+        guess = math.floor(best.batch * target / max(best.allocated, 1))
         if hi is not None and guess >= hi:
-            # That batch already failed: the curve bends upwards (checkpointing does); bisect.
+            # That batch already failed: the curve bends upwards; bisect.
             guess = lo + max(1, (hi - lo) // 2)
         guess = max(guess, lo + 1)
         ceiling = hi - 1 if hi is not None else guess
@@ -99,15 +122,16 @@ def next_batch(
         intercept, slope = line
         guess = math.floor((target - intercept) / slope)
         # What the line says fits the whole budget: the most the next trial could win.
-        ceiling = math.floor((budget - intercept) / slope)
+        ceiling = math.floor((room - intercept) / slope)
         if hi is not None and any(t.role == "check" and not t.fits for t in trials):
-            # The line over-promised once (checkpointing does that): never aim past the midpoint.
+            # The line over-promised once: never aim past the midpoint.
             guess = min(guess, lo + max(1, (hi - lo) // 2))
     if hi is not None:
         guess, ceiling = min(guess, hi - 1), min(ceiling, hi - 1)
-    if guess <= lo or lo >= (1 - tolerance) * ceiling:
+    if lo >= (1 - tolerance) * ceiling:
         return None
-    return guess
+    # The margin leaves nothing to try, the full budget more than ``tolerance``: try halfway there.
+    return guess if guess > lo else lo + max(1, (ceiling - lo) // 2)
 
 
 def first_probe(start: int) -> int:
@@ -134,6 +158,9 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
     def trial(batch: int, role: str) -> Trial:
         source = rewrite_batch(spec.source, guess, batch, accumulate=1) or spec.source
         shell.user_ns[name] = batch
+        # Every trial starts from an empty cache: what an earlier cell or trial left cached would count
+        # as this trial's peak reserved.
+        collect("cpu" if spec.device == "cpu" else "cuda")
         with capture_output():
             run = execute(
                 shell,
@@ -147,13 +174,12 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
                 ),
             )
         _restore_namespace(shell.user_ns, saved)
-        collect(run.device)
         if run.outcome == "error":
             raise UsageError(f"--find-batch: the cell failed with {name}={batch}: {run.error}")
-        result = Trial(batch, run.outcome == "ok", run.peak_reserved, run.wall_s, role)
+        result = Trial(batch, run.outcome == "ok", run.peak_reserved, run.wall_s, role, run.peak_allocated)
+        collect(run.device)
         search.budget = run.budget or search.budget
-        status = f"peak reserved {format_bytes(result.peak_reserved)}" if result.fits else "out of memory"
-        print(f"  trial {len(search.trials) + 1}: {role} {name}={batch}: {status}", flush=True)
+        print(f"  trial {len(search.trials) + 1}: {role} {name}={batch}: {_status(result)}", flush=True)
         return result
 
     search = BatchSearch(name=name, budget=0)

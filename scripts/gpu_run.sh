@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU run: one command on a CUDA machine, about 9 minutes at most. Stages in order of priority,
 # each time-boxed with `timeout` and guarded (a failing stage does not stop the next):
-#   1 GPU tests (tests/gpu)   2 capture overhead   3 recovery after OOM   4 batch search
-#   5 notebooks through nbclient on the GPU   6 NVML, %gpumem, the server route with and without token
-# Results stream into $OUT as they come, eight files at most:
-#   gpu_tests.log, capture_overhead.{md,png}, recovery.{md,png}, batch_search.{md,png}, run.log
+#   1 GPU tests (tests/gpu)   2 capture overhead   3 recovery after OOM   4 batch search (and the
+#   memory curve it predicts)   5 notebooks through nbclient on the GPU   6 NVML, %gpumem, the server
+#   route with and without token
+# Results stream into $OUT as they come:
+#   gpu_tests.log, capture_overhead.{md,png}, recovery.{md,png}, batch_search.{md,png}, memory_curve.md,
+#   run.log
 # (run.log: every other stage's output, the NVML JSON, the stage table and the summary). The summary
 # table of every goal (measured vs goal, pass/MISS) is printed last.
 #
@@ -118,12 +120,13 @@ except urllib.error.HTTPError as e:
 
 stage "recovery" 45 "$RUNLOG" "$PY" benchmarks/recovery.py "${EXTRA[@]}"
 stage "batch search" 130 "$RUNLOG" "$PY" benchmarks/batch_search.py --budget 110 "${EXTRA[@]}"
+stage "memory curve" 50 "$RUNLOG" "$PY" benchmarks/memory_curve.py "${EXTRA[@]}"
 
-# 5. Notebooks through nbclient, a real ipykernel on the GPU (~60 s): the quickstart first, each
+# 5. Notebooks through nbclient, a real ipykernel on the GPU (~100 s): the quickstart first, each
 # notebook time-boxed on its own so that one that hangs does not cost the others.
 timeout 60 "$PY" -m ipykernel install --prefix /tmp/kp >>"$RUNLOG" 2>&1 || say "ipykernel install failed"
 export JUPYTER_PATH=/tmp/kp/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}
-stage "notebooks" 100 "$RUNLOG" bash -c '
+stage "notebooks" 150 "$RUNLOG" bash -c '
   failed=0
   for nb in ${GPU_RUN_NOTEBOOKS:-notebooks/quickstart.ipynb $(ls notebooks/*.ipynb | grep -v quickstart)}; do
     [ -f "$nb" ] || continue
