@@ -5,9 +5,9 @@
 #   memory curve it predicts)   5 notebooks through nbclient on the GPU   6 NVML, %gpumem, the server
 #   route with and without token
 # Results stream into $OUT as they come:
-#   gpu_tests.log, capture_overhead.{md,png}, recovery.{md,png}, batch_search.{md,png}, memory_curve.md,
-#   run.log
-# (run.log: every other stage's output, the NVML JSON, the stage table and the summary). The summary
+#   gpu_tests.log, capture_overhead.{md,png}, recovery.{md,png}, batch_search.{md,png}, run.log
+# (eight files, as many as the device tool brings back; run.log: every other stage's output, the memory
+# curve and trace cost tables, the NVML JSON, the stage table and the summary). The summary
 # table of every goal (measured vs goal, pass/MISS) is printed last.
 #
 # Knobs: GPU_RUN_BUDGET (seconds for everything, default 525), GPU_RUN_STAGES (comma-separated stage
@@ -120,7 +120,8 @@ except urllib.error.HTTPError as e:
 
 stage "recovery" 45 "$RUNLOG" "$PY" benchmarks/recovery.py "${EXTRA[@]}"
 stage "batch search" 130 "$RUNLOG" "$PY" benchmarks/batch_search.py --budget 110 "${EXTRA[@]}"
-stage "memory curve" 50 "$RUNLOG" "$PY" benchmarks/memory_curve.py "${EXTRA[@]}"
+stage "memory curve" 50 "$RUNLOG" env OUT=/tmp/oommagic_extra "$PY" benchmarks/memory_curve.py "${EXTRA[@]}"
+stage "trace cost" 30 "$RUNLOG" env OUT=/tmp/oommagic_extra "$PY" benchmarks/trace_cost.py
 
 # 5. Notebooks through nbclient, a real ipykernel on the GPU (~100 s): the quickstart first, each
 # notebook time-boxed on its own so that one that hangs does not cost the others.
