@@ -106,8 +106,8 @@ def test_training_timeline_peak_is_exact(gpt2, cell):
     assert run.outcome == "ok" and len(run.timeline.steps) == 2
     assert run.peak_allocated == truth
     # The reported peak comes from memory_stats and is exact. The timeline is replayed from the trace,
-    # whose block sizes can be smaller than the blocks the allocator counts: on an H100 (torch 2.11) it
-    # came out 2,835,448 B (0.034%) under the peak of this loop before sizes were rounded to 512 B.
+    # which records the sizes asked for; the allocator counts whole blocks, at times a cached block it
+    # did not split: on an H200 (torch 2.11) the replay came out 2,310,144 B (0.028%) under this peak.
     assert abs(run.timeline.peak_allocated - truth) <= truth * 0.001
 
 
