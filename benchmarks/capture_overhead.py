@@ -1,5 +1,6 @@
-"""What recording a cell costs: plain vs ``%%gpumem`` vs PyTorch's memory history with full stacks vs a
-1 kHz ``memory_allocated()`` polling thread (ipyexperiments-style) vs a 10 Hz NVML polling thread.
+"""What recording a cell costs: plain vs ``%%gpumem`` (and ``--no-timeline``, which leaves the allocator
+trace off) vs PyTorch's memory history with full stacks vs a 1 kHz ``memory_allocated()`` polling thread
+(ipyexperiments-style) vs a 10 Hz NVML polling thread.
 
 Two workloads, each run as a real IPython cell through ``shell.run_cell`` (the plain baseline too, so
 every variant pays the same IPython overhead): GPT-2 124M training (batch 8, seq 512, AdamW, fp32) and a
@@ -32,7 +33,7 @@ import models
 import report
 import torch
 
-VARIANTS = ("plain", "%%gpumem", "history stacks=all", "poll 1 kHz", "NVML 10 Hz")
+VARIANTS = ("plain", "%%gpumem", "%%gpumem --no-timeline", "history stacks=all", "poll 1 kHz", "NVML 10 Hz")
 HISTORY_ENTRIES = 1_000_000
 GOALS = {"training": 1.01, "small-op": 1.05}
 READING = """
@@ -145,7 +146,7 @@ def run_variant(shell, variant: str, source: str, device: str, nvml, snapshot: b
     elif variant == "NVML 10 Hz":
         poller = Poller(nvml, 0.1)
     nvml_before = nvml() if (nvml and poller is not None and variant.startswith("NVML")) else 0
-    cell = f"%%gpumem --quiet\n{source}" if variant == "%%gpumem" else source
+    cell = f"{variant} --quiet\n{source}" if variant.startswith("%%gpumem") else source
     m = Measure(wall=0.0, steps=[])
     try:
         if poller is not None:
@@ -170,11 +171,12 @@ def run_variant(shell, variant: str, source: str, device: str, nvml, snapshot: b
             poller.stop()
         if history:
             torch.cuda.memory._record_memory_history(enabled=None)
-    if variant == "%%gpumem":
+    if variant.startswith("%%gpumem"):
         run = oommagic.history()[-1]
         if cuda:
-            m.reported, m.timeline_peak = run.peak_allocated, run.timeline.peak_allocated
-        m.note = f"{run.timeline.events} trace events"
+            m.reported = run.peak_allocated
+            m.timeline_peak = run.timeline.peak_allocated if variant == "%%gpumem" else None
+        m.note = f"{run.timeline.events} trace events" if variant == "%%gpumem" else "no timeline"
     elif history:
         m.note = f"stacks={HISTORY_STACKS[0]}"
     elif variant == "poll 1 kHz":
@@ -208,7 +210,8 @@ def start_history() -> None:
 
 def measure(shell, name: str, steps: int, rounds: int, device: str, nvml, deadline: float) -> Results:
     """One warm-up round, then ``rounds`` rounds of every variant, the order rotating each round."""
-    variants = [v for v in VARIANTS if device.startswith("cuda") or v in ("plain", "%%gpumem", "poll 1 kHz")]
+    on_cpu = ("plain", "%%gpumem", "%%gpumem --no-timeline", "poll 1 kHz")
+    variants = [v for v in VARIANTS if device.startswith("cuda") or v in on_cpu]
     if nvml is None and "NVML 10 Hz" in variants:
         variants.remove("NVML 10 Hz")
     source = f"_bench_times = _bench[{name!r}].run({steps})"
@@ -294,6 +297,13 @@ def summarise(name: str, res: Results, device: str, judged: bool) -> tuple[list[
     if worst is not None:
         report.summary(
             f"capture {name}: %%gpumem peak error", f"{worst:+d} B", "0 B", worst == 0 if judged else None
+        )
+    if "%%gpumem --no-timeline" in ratios:
+        report.summary(
+            f"capture {name}: %%gpumem --no-timeline time/step vs plain",
+            f"{ratios['%%gpumem --no-timeline']:.4f}×",
+            "(reference)",
+            None,
         )
     if worst_tl is not None:
         # The plot's curve is replayed from the trace, which records requested sizes; the allocator counts

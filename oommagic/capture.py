@@ -154,11 +154,13 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
 
 class CpuRecorder:
     """Tracks CPU tensor storages while a cell runs; with ``limit`` it emulates a card of that size by
-    raising ``torch.OutOfMemoryError`` in PyTorch's own message format."""
+    raising ``torch.OutOfMemoryError`` in PyTorch's own message format. ``timeline=False`` keeps the
+    start and the end only (the peak stays exact)."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, timeline: bool = True) -> None:
         self.device = "cpu"
         self.limit = limit
+        self.timeline = timeline
         self.capacity = limit if limit is not None else host_memory()
         self._t: list[float] = []
         self._a: list[int] = []
@@ -174,9 +176,13 @@ class CpuRecorder:
         return LEDGER.allocated
 
     def sample(self, allocated: int) -> None:
+        self._peak = max(self._peak, allocated)
+        if self.timeline:
+            self._point(allocated)
+
+    def _point(self, allocated: int) -> None:
         self._t.append(time.time())
         self._a.append(allocated)
-        self._peak = max(self._peak, allocated)
 
     def check(self, requested: int) -> None:
         """Raise the emulated out-of-memory error if ``requested`` more bytes would pass the limit."""
@@ -200,7 +206,7 @@ class CpuRecorder:
         self._start = time.time()
         self._before = LEDGER.allocated
         self._peak = self._before
-        self.sample(self._before)
+        self._point(self._before)
         self._mode = _make_tracker(self)
         LEDGER.listener = self
         try:
@@ -220,7 +226,7 @@ class CpuRecorder:
             self._mode = None
             self._marks.remove()
             LEDGER.listener = None
-        self.sample(LEDGER.allocated)
+        self._point(LEDGER.allocated)
 
     def recording(self) -> Recording:
         start = self._start
@@ -279,11 +285,14 @@ class CudaRecorder:
     Initialises CUDA. Turns history recording on for the cell (``context=None``: no stack capture) unless
     the user was already recording, in which case their recording is left exactly as it was. With
     ``limit`` it sets ``set_per_process_memory_fraction`` and restores the previous fraction after.
+    ``timeline=False`` leaves the history alone and takes no snapshot: no cost per allocation, the peak
+    still exact, the timeline only the start and the end.
     """
 
-    def __init__(self, index: int, limit: int | None = None) -> None:
+    def __init__(self, index: int, limit: int | None = None, timeline: bool = True) -> None:
         import torch
 
+        self.timeline = timeline
         self.index = index
         self.device = f"cuda:{index}"
         _, total = torch.cuda.mem_get_info(index)
@@ -297,6 +306,7 @@ class CudaRecorder:
         self._start = 0.0
         self._before = (0, 0)
         self._snapshot: dict | None = None
+        self._end = 0.0
         self._after = (0, 0)
         self._peak = (0, 0)
         self._oom_from = 0
@@ -313,7 +323,7 @@ class CudaRecorder:
                 getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
                 self._old_fraction = getter(self.index) if getter else 1.0
                 torch.cuda.set_per_process_memory_fraction(self.limit / self.capacity, self.index)
-            if not torch._C._cuda_isHistoryEnabled():
+            if self.timeline and not torch._C._cuda_isHistoryEnabled():
                 torch.cuda.memory._record_memory_history(
                     enabled="all", context=None, stacks="python", max_entries=CUDA_TRACE_ENTRIES
                 )
@@ -337,7 +347,8 @@ class CudaRecorder:
                 stats.get("reserved_bytes.all.current", 0),
             )
             # Turning recording off clears the history: take the snapshot first.
-            self._snapshot = torch.cuda.memory._snapshot()
+            self._snapshot = torch.cuda.memory._snapshot() if self.timeline else None
+            self._end = time.time()
         finally:
             self._restore()
 
@@ -364,14 +375,23 @@ class CudaRecorder:
     def recording(self) -> Recording:
         # History switched on for this cell holds only this cell's events: replay all of them, so no
         # event is lost to a difference between the allocator's clock and time.time().
-        timeline = cuda_timeline(
-            self._snapshot or {},
-            self.index,
-            start_us=0.0 if self._owned_history else self._start * 1e6,
-            origin_us=self._start * 1e6,
-            before=self._before,
-            steps=[x - self._start for x in self._marks.times],
-        )
+        steps = [x - self._start for x in self._marks.times]
+        if self.timeline:
+            timeline = cuda_timeline(
+                self._snapshot or {},
+                self.index,
+                start_us=0.0 if self._owned_history else self._start * 1e6,
+                origin_us=self._start * 1e6,
+                before=self._before,
+                steps=steps,
+            )
+        else:
+            timeline = Timeline(
+                t=(0.0, max(self._end - self._start, 0.0)),
+                allocated=(self._before[0], self._after[0]),
+                reserved=(self._before[1], self._after[1]),
+                steps=tuple(steps),
+            )
         return Recording(
             device=self.device,
             before_allocated=self._before[0],
@@ -442,8 +462,11 @@ def cuda_timeline(
     )
 
 
-def open_recorder(device: str | None, limit: float | int | None) -> CpuRecorder | CudaRecorder:
-    """A recorder for ``device`` ("cpu", "cuda", "cuda:N", "N" or None = CUDA if available, else CPU).
+def open_recorder(
+    device: str | None, limit: float | int | None, timeline: bool = True
+) -> CpuRecorder | CudaRecorder:
+    """A recorder for ``device`` ("cpu", "cuda", "cuda:N", "N" or None = CUDA if available, else CPU);
+    ``timeline=False`` records the peak and the steps but no timeline between the start and the end.
 
     ``limit`` is bytes (int) or a fraction of the capacity (float in (0, 1]). A byte limit at or above the
     card's capacity is dropped with a warning. Raises ``ValueError`` for a device that does not exist.
@@ -455,8 +478,8 @@ def open_recorder(device: str | None, limit: float | int | None) -> CpuRecorder 
     kind, index = _resolve_device(device, torch)
     if kind == "cpu":
         capacity = host_memory()
-        return CpuRecorder(_resolve_limit(limit, capacity, warnings, "this machine's memory"))
-    recorder = CudaRecorder(index)
+        return CpuRecorder(_resolve_limit(limit, capacity, warnings, "this machine's memory"), timeline)
+    recorder = CudaRecorder(index, timeline=timeline)
     recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
     return recorder
 

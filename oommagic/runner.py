@@ -83,7 +83,7 @@ def execute(shell: Any, spec: RunSpec) -> CellRun:
     """
     from .capture import open_recorder
 
-    recorder = open_recorder(spec.device, spec.limit)
+    recorder = open_recorder(spec.device, spec.limit, timeline=not spec.options.get("no_timeline"))
     run = CellRun(
         source=spec.source,
         device=recorder.device,

@@ -51,6 +51,30 @@ def test_optimizer_steps_are_marked(run_cell):
     assert len(last_run().timeline.steps) == 3
 
 
+def test_no_timeline_keeps_the_peak_exact_and_the_steps(run_cell):
+    result, _ = run_cell(
+        "%%gpumem --no-timeline --quiet\n"
+        "m = torch.nn.Linear(64, 64)\nopt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n    m(torch.randn(8, 64)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "big = torch.empty(10_000_000, dtype=torch.uint8)\ndel big\n"
+    )
+    assert result.success
+    run = last_run()
+    assert run.options.get("no_timeline") is True
+    assert len(run.timeline.steps) == 3 and len(run.timeline.t) == 2  # the start and the end only
+    assert run.peak_allocated - run.before_allocated >= 10_000_000  # the freed tensor still counts
+    assert run.timeline.peak_allocated < run.peak_allocated
+
+
+def test_no_timeline_still_reports_and_diagnoses_an_oom(run_cell):
+    cell = "%%gpumem --no-timeline --limit 1MiB --no-raise --quiet\nz = torch.zeros(2 * 1024 * 1024)"
+    result, _ = run_cell(cell)
+    run = last_run()
+    assert result.success and run.outcome == "oom"
+    assert run.report.requested == 8 * MiB and run.report.limit == MiB
+    assert [f.key for f in run.findings] == ["too_large", "limit"]
+
+
 OVERRUN = """%%gpumem --limit 128MiB
 import weakref
 def fill():

@@ -41,6 +41,17 @@ def test_peak_is_max_memory_allocated_to_the_byte(cell):
     assert not torch._C._cuda_isHistoryEnabled(), "the magic left history recording on"
 
 
+def test_no_timeline_leaves_the_trace_off_and_the_peak_exact(shell, cell):
+    torch.cuda.reset_peak_memory_stats()
+    source = PATTERN.replace("%%gpumem --quiet", "%%gpumem --quiet --no-timeline")
+    result = cell(source + "_tracing = torch._C._cuda_isHistoryEnabled()\n")
+    assert result.success
+    run, truth = oommagic.history()[-1], torch.cuda.max_memory_allocated()
+    print(f"--no-timeline: tracing in the cell {shell.user_ns['_tracing']}; peak {run.peak_allocated:,d} B")
+    assert shell.user_ns["_tracing"] is False
+    assert run.peak_allocated == truth and len(run.timeline.t) == 2
+
+
 def test_the_users_history_recording_is_left_as_it_was(cell):
     marker = torch.empty(5_555_555, dtype=torch.uint8, device="cuda")
     torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
