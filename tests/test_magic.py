@@ -64,6 +64,11 @@ def test_no_timeline_keeps_the_peak_exact_and_the_steps(run_cell):
     assert len(run.timeline.steps) == 3 and len(run.timeline.t) == 2  # the start and the end only
     assert run.peak_allocated - run.before_allocated >= 10_000_000  # the freed tensor still counts
     assert run.timeline.peak_allocated < run.peak_allocated
+    from oommagic.view.plot import timeline_png
+    from oommagic.view.text import render_text
+
+    assert "--no-timeline: no timeline between the start and the end" in render_text(run)
+    assert timeline_png(run).startswith(b"\x89PNG")
 
 
 def test_no_timeline_still_reports_and_diagnoses_an_oom(run_cell):

@@ -59,4 +59,6 @@ def render_text(run: CellRun, findings: int = 5) -> str:
         lines += [f"    fix: {r.title}" for r in f.remedies[:3]]
     if run.timeline.truncated:
         lines.append("  (the timeline lost its earliest events: the cell made more than the trace keeps)")
+    if run.options.get("no_timeline"):
+        lines.append("  (--no-timeline: no timeline between the start and the end; the peak is exact)")
     return "\n".join(lines)
