@@ -4,7 +4,12 @@
  * fixes, one retries it; the sidebar lists the run with its diagnosis and writes the fix into the
  * cell as one undoable edit, and still shows the runs after a kernel restart and a page reload.
  */
-import { expect, JupyterLabPage, test } from '@jupyterlab/galata';
+import {
+  expect,
+  IJupyterLabPageFixture,
+  JupyterLabPage,
+  test
+} from '@jupyterlab/galata';
 
 import { cellSource, openPanel, SHOTS, writeCell } from './helpers';
 
@@ -161,6 +166,7 @@ test.describe('oommagic in JupyterLab', () => {
     });
 
     await test.step('a reloaded page finds the open comm and gets every run again', async () => {
+      const before = await notebookKernelId(page);
       // The restored workspace opens the notebook, not the launcher Galata waits for by default;
       // Galata's reload takes that option, though its fixture type shows Playwright's reload.
       await (page as unknown as JupyterLabPage).reload({
@@ -168,9 +174,22 @@ test.describe('oommagic in JupyterLab', () => {
       });
       await page.locator('#jupyterlab-splash').waitFor({ state: 'detached' });
       const reloaded = await openPanel(page);
+      await expect
+        .poll(() => notebookKernelId(page), { timeout: 60_000 })
+        .not.toBeNull();
+      const after = await notebookKernelId(page);
+      // Now and then (once in a CI run) the restored notebook gets a session with a new kernel
+      // instead of the running one: that kernel has made no run, so none may show live.
+      const sameKernel = after === before;
+      if (!sameKernel) {
+        test.info().annotations.push({
+          type: 'new kernel after reload',
+          description: `${before} -> ${after}: the adoption of the open comm was not exercised`
+        });
+      }
       await expect(
         reloaded.locator('.oommagic-run-live.oommagic-run-ok')
-      ).toHaveCount(1, { timeout: 60_000 });
+      ).toHaveCount(sameKernel ? 1 : 0, { timeout: 60_000 });
       await expect(reloaded.locator('.oommagic-run-saved')).toHaveCount(3);
       await page.screenshot({ path: `${SHOTS}/06-after-reload.png` });
     });
@@ -283,3 +302,14 @@ test.describe('oommagic in JupyterLab', () => {
     expect(requests).toBeLessThanOrEqual(hidden + 1);
   });
 });
+
+/** The kernel id of the current notebook's session, or null while there is none. */
+function notebookKernelId(
+  page: IJupyterLabPageFixture
+): Promise<string | null> {
+  return page.evaluate(
+    () =>
+      (window as any).jupyterapp.shell.currentWidget?.sessionContext?.session
+        ?.kernel?.id ?? null
+  );
+}
