@@ -160,7 +160,7 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
         shell.user_ns[name] = batch
         # Every trial starts from an empty cache: what an earlier cell or trial left cached would count
         # as this trial's peak reserved.
-        collect("cpu" if spec.device == "cpu" else "cuda")
+        collect(spec.device)
         with capture_output():
             run = execute(
                 shell,
@@ -177,7 +177,6 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
         if run.outcome == "error":
             raise UsageError(f"--find-batch: the cell failed with {name}={batch}: {run.error}")
         result = Trial(batch, run.outcome == "ok", run.peak_reserved, run.wall_s, role, run.peak_allocated)
-        collect(run.device)
         search.budget = run.budget or search.budget
         print(f"  trial {len(search.trials) + 1}: {role} {name}={batch}: {_status(result)}", flush=True)
         return result
@@ -195,6 +194,7 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
         if batch is None:
             break
         search.trials.append(trial(batch, "probe" if len(search.trials) < 2 else "check"))
+    collect(spec.device)  # the last trial's cache
     search.best = max((t.batch for t in search.trials if t.fits), default=None)
     if search.best is not None:
         shell.user_ns[name] = search.best

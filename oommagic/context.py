@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import gc
 import os
 import re
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 from .cellrun import CellRun
 from .diagnose import DiagnosisContext, Leftover, ModelInfo
 from .oom import OOMReport
+from .release import collect
 from .remedies import CHECKPOINTING_IN_SOURCE
 from .rewrite import ACCUMULATION_NAMES, find_batch, names_read
 
@@ -103,10 +103,7 @@ def free_names(namespace: dict, names: Iterable[str], measure: Callable[[], int]
     before = measure()
     for name in names:
         namespace.pop(name, None)
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+    collect()
     return max(0, before - measure())
 
 

@@ -56,14 +56,13 @@ def unpin_shell(shell: Any, exc: BaseException) -> None:
         result.error_in_exec = None
 
 
-def collect(device: str) -> None:
-    """``gc.collect()``, then hand cached CUDA blocks back to the driver when CUDA is in use."""
+def collect(device: str | None = None) -> None:
+    """``gc.collect()``, then hand cached CUDA blocks back to the driver when CUDA is in use and
+    ``device`` is not ``"cpu"`` (None: whichever device a run will pick)."""
     gc.collect()
-    if device.startswith("cuda"):
-        import torch
-
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()
+    torch = sys.modules.get("torch")  # not imported: nothing of CUDA's to give back
+    if device != "cpu" and torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def free_failed_cell(shell: Any, exc: BaseException, device: str) -> None:

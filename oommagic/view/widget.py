@@ -186,12 +186,10 @@ class ReportWidget:
         if not self._accepts(button):
             return None
         from ..batch_search import find_batch_magic
-        from ..release import collect
         from ..runner import RunSpec
 
         search = None
         with self._one_at_a_time(), self.output:
-            collect(run.device)
             spec = RunSpec(
                 source=run.source,
                 device=run.options.get("device") or run.device,
