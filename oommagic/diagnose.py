@@ -351,19 +351,14 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, 1, saving))
     batch, note = _batch_remedy(ctx, fig, training=False)
     remedies.append(batch)
+    short = ctx.prompt_tokens is not None and ctx.prompt_tokens <= TRUNCATE_TO
     if ctx.prompt_tokens is not None:
-        note += f" The prompts are {ctx.prompt_tokens} tokens long"
-    if ctx.has_truncation:
-        note += "." if ctx.prompt_tokens is not None else ""
-    elif ctx.prompt_tokens is None:
-        remedies.append(fix.truncate(ctx, fig, None))
-    elif ctx.prompt_tokens > TRUNCATE_TO:
-        cut = ctx.prompt_tokens - TRUNCATE_TO
-        saving = act * cut // (ctx.prompt_tokens + (ctx.max_new_tokens or 0)) if act else None
+        why = f": truncating them to {TRUNCATE_TO} would change nothing" if short else ""
+        note += f" The prompts are {ctx.prompt_tokens} tokens long{why}."
+    if not (ctx.has_truncation or short):
+        cut = prompt - TRUNCATE_TO  # unknown prompts (0): no saving to promise
+        saving = act * cut // (prompt + (ctx.max_new_tokens or 0)) if act and cut > 0 else None
         remedies.append(fix.truncate(ctx, fig, saving, TRUNCATE_TO))
-        note += "."
-    else:
-        note += f": truncating them to {TRUNCATE_TO} would change nothing."
     evidence = (
         _split_evidence(ctx, fig)
         + " In generation that is mostly the KV cache and logits, which grow with batch × beams × tokens"
