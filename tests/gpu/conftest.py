@@ -73,21 +73,22 @@ def rounding():
 
 @pytest.fixture
 def retry_with(shell):
-    """Click the report widget's button for a remedy of ``kind`` and return the widget (its latest run is
-    the retry). Where the diagnosis did not offer such a remedy, a finding holding ``hand_made`` is added
-    first, and the log says so: the test then proves the retry mechanism, not the diagnosis."""
+    """Click the report widget's button for the remedy of ``kind`` the diagnosis offered, and return the
+    widget (its latest run is the retry). The diagnosis must offer it; only ``hand_made`` (a remedy the
+    diagnosis does not offer for that scenario, said in the log) is added as a finding of its own: such a
+    test proves the retry mechanism, not the diagnosis."""
     from oommagic.diagnose import Finding
     from oommagic.view.widget import ReportWidget
 
-    def retry(run, kind: str, hand_made):
+    def retry(run, kind: str, hand_made=None):
         offered = [r for f in run.findings for r in f.remedies if r.kind == kind and r.automatic]
         print(f"{kind}: findings {[f.key for f in run.findings]}; offered by the diagnosis: {bool(offered)}")
-        if offered:
+        if hand_made is None:
+            assert offered, f"the diagnosis offered no {kind} fix: {[f.key for f in run.findings]}"
             print(f"{kind}: the diagnosis offers {offered[0].title!r} {offered[0].params}")
         else:
-            print(
-                f"{kind}: NOT offered by the diagnosis for this scenario; Remedy built by hand: {hand_made}"
-            )
+            assert not offered, f"the diagnosis offers {kind} now: drop the hand-made remedy"
+            print(f"{kind}: not offered by the diagnosis for this scenario; Remedy built by hand")
             finding = Finding(
                 key="by-hand",
                 title="built by the GPU test",

@@ -68,28 +68,17 @@ def failing(cell, batch: int) -> oommagic.CellRun:
 
 
 def test_smaller_batch_fits(gpt2, cell, retry_with):
-    from oommagic.remedies import Remedy
-
-    run = failing(cell, 40)
-    source = run.source.replace("batch_size = 40", "batch_size = 20")
-    hand_made = Remedy(
-        "batch",
-        "Batch 40 → 20, accumulate 2 steps",
-        automatic=True,
-        params={"name": "batch_size", "old": 40, "new": 20, "accumulate": 2, "where": "source"},
-        new_source=source,
-    )
-    widget = retry_with(run, "batch", hand_made)
-    assert widget.runs[-1].outcome == "ok"
-    print(f"batch retry ran:\n{widget.runs[-1].source}")
+    widget = retry_with(failing(cell, 40), "batch")
+    retry = widget.runs[-1]
+    assert retry.outcome == "ok"
+    # Half the batch, twice the steps: the effective batch stays 40.
+    assert retry.change == "Batch 40 → 20, accumulate 2 steps"
+    assert "batch_size = 20" in retry.source
+    print(f"batch retry ran:\n{retry.source}")
 
 
 def test_bf16_autocast_fits(gpt2, cell, retry_with):
-    from oommagic.remedies import Remedy
-
-    run = failing(cell, 30)  # on an H100, fp32 batch 28 fit in 23.88 GiB
-    hand_made = Remedy("autocast", "bfloat16 autocast", automatic=True, params={"dtype": "bfloat16"})
-    widget = retry_with(run, "autocast", hand_made)
+    widget = retry_with(failing(cell, 30), "autocast")  # on an H100, fp32 batch 28 fit in 23.88 GiB
     assert widget.runs[-1].outcome == "ok"
     assert not torch.is_autocast_enabled("cuda")
 
@@ -112,28 +101,16 @@ def test_training_timeline_peak_is_exact(gpt2, cell):
 
 
 def test_gradient_checkpointing_fits(gpt2, cell, retry_with):
-    from oommagic.remedies import Remedy
-
-    run = failing(cell, 40)
-    hand_made = Remedy(
-        "checkpointing", "Gradient checkpointing", automatic=True, params={"models": ["model"]}
-    )
-    widget = retry_with(run, "checkpointing", hand_made)
+    widget = retry_with(failing(cell, 40), "checkpointing")
     assert widget.runs[-1].outcome == "ok"
     model = gpt2.user_ns["model"]
     assert not getattr(model, "is_gradient_checkpointing", False), "the retry left checkpointing on"
 
 
 def test_freeing_a_leftover_fits(gpt2, cell, retry_with):
-    from oommagic.remedies import Remedy
-
     result = cell("leftover = torch.empty(16 * 1024**3, dtype=torch.uint8, device='cuda')")
     assert result.success
-    run = failing(cell, 12)
-    hand_made = Remedy(
-        "free_leftovers", "Free leftover (16.00 GiB)", automatic=True, params={"names": ["leftover"]}
-    )
-    widget = retry_with(run, "free_leftovers", hand_made)
+    widget = retry_with(failing(cell, 12), "free_leftovers")
     assert widget.runs[-1].outcome == "ok"
     assert "leftover" not in gpt2.user_ns
     assert torch.cuda.memory_allocated() < 8 * GiB
