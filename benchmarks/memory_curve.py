@@ -39,22 +39,14 @@ def peaks(model, batch: int, device: str, seq: int, autocast, limit: int | None)
     from oommagic import is_oom
 
     models.clean(device)
-    cuda = device.startswith("cuda")
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
     try:
-        if limit is None and cuda:
+        with models.memory_limit(device, limit) as held:
             models.train_trial(model, batch, 2, device, seq, autocast)
-            held = models.Held(torch.cuda.max_memory_reserved(device))
-        else:
-            with models.memory_limit(device, limit or 1 << 50) as held:
-                models.train_trial(model, batch, 2, device, seq, autocast)
     except Exception as err:
         if not is_oom(err):
             raise
         return False, 0, 0
-    allocated = torch.cuda.max_memory_allocated(device) if cuda else held.peak_reserved
-    return True, allocated, held.peak_reserved
+    return True, held.peak_allocated, held.peak_reserved
 
 
 def main() -> int:

@@ -131,17 +131,19 @@ class Held:
 
 
 @contextlib.contextmanager
-def memory_limit(device: str, limit: int) -> Iterator[Held]:
-    """Cap this process at ``limit`` bytes: ``set_per_process_memory_fraction`` on CUDA (the allocator
-    weighs its reserved total against it); on CPU, oommagic's emulation (a recorder that raises
-    ``torch.OutOfMemoryError`` past the limit). Yields the block's peak reserved bytes, filled at exit."""
+def memory_limit(device: str, limit: int | None) -> Iterator[Held]:
+    """Cap this process at ``limit`` bytes (None: no cap, only measure): ``set_per_process_memory_fraction``
+    on CUDA (the allocator weighs its reserved total against it); on CPU, oommagic's emulation (a recorder
+    that raises ``torch.OutOfMemoryError`` past the limit). Yields the block's peak reserved and allocated
+    bytes, filled at exit."""
     held = Held()
     if device.startswith("cuda"):
         index = torch.device(device).index or 0
-        total = torch.cuda.mem_get_info(index)[1]
         getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         old = getter(index) if getter else 1.0
-        torch.cuda.set_per_process_memory_fraction(limit / total, index)
+        if limit is not None:
+            total = torch.cuda.mem_get_info(index)[1]
+            torch.cuda.set_per_process_memory_fraction(limit / total, index)
         torch.cuda.reset_peak_memory_stats(index)
         try:
             yield held
