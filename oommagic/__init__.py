@@ -6,7 +6,7 @@ and a one-click fix.
 
 from __future__ import annotations
 
-from .cellrun import CellRun, history
+from .cellrun import CellRun
 from .oom import OOMReport, is_oom, parse_oom
 from .sizes import format_bytes, parse_size
 from .timeline import Timeline
@@ -26,6 +26,13 @@ __all__ = [
 ]
 
 
+def history() -> list[CellRun]:
+    """Every ``%%gpumem`` run of this kernel, oldest first (the live list)."""
+    from .run.session import history as runs
+
+    return runs()
+
+
 def report_widget():
     """The ``%%gpumem`` report widget shown last in this kernel; ``.click("batch")`` presses a fix."""
     from .view import report_widget as last
@@ -35,8 +42,13 @@ def report_widget():
 
 def load_ipython_extension(ipython) -> None:
     from .magics import GpuMemMagics
+    from .view.text import render_text
 
     ipython.register_magics(GpuMemMagics)
+    # A CellRun prints as its text report (``Out[n]``, ``print(run)`` in IPython).
+    ipython.display_formatter.formatters["text/plain"].for_type(
+        CellRun, lambda run, p, cycle: p.text("CellRun(...)" if cycle else render_text(run))
+    )
 
 
 def unload_ipython_extension(ipython) -> None:

@@ -1,7 +1,8 @@
-"""``CellRun``: the one record of one execution of a ``%%gpumem`` cell, and the history of them.
+"""``CellRun``: the one record of one execution of a ``%%gpumem`` cell.
 
-The text view, the widget, the comm message to the sidebar and ``oommagic.history()`` all read this
-record; nothing keeps a second copy of its figures.
+Built once, by ``run.session``, after the recording: it holds the ``Recording`` itself (no field-by-field
+copy), the ``DiagnosisContext`` made in the same step, the findings and the fix plan. The text view, the
+widget, the comm message to the sidebar and ``oommagic.history()`` all read this record.
 """
 
 from __future__ import annotations
@@ -11,47 +12,77 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .diagnosis.findings import DiagnosisContext, Finding, Remedy
 from .oom import OOMReport
+from .options import Options
 from .sizes import format_bytes
-from .timeline import Timeline
+from .timeline import Recording, Timeline
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class CellRun:
     """What one run of a cell did to memory.
 
-    ``outcome`` is ``"ok"``, ``"oom"``, ``"error"`` (another exception) or ``"interrupted"``.
-    Bytes are ``int``; ``capacity`` is the card's (or the emulated card's) total, ``limit`` the
-    per-process cap that ``--limit`` set, if any.
+    ``outcome`` is ``"ok"``, ``"oom"``, ``"error"`` (another exception) or ``"interrupted"``. Bytes are
+    ``int``; ``capacity`` is the card's (or the emulated card's) total, ``limit`` the per-process cap that
+    ``--limit`` set, if any. ``applied`` are the fixes in force, in the order they were applied; ``plan``
+    the measured fix plan after an out-of-memory error.
     """
 
     source: str
-    device: str
-    options: dict[str, Any] = field(default_factory=dict)
+    recording: Recording
+    options: Options = field(default_factory=Options)
+    applied: tuple[Remedy, ...] = ()
+    outcome: str = "ok"
+    report: OOMReport | None = None
+    error: str | None = None
+    freed: int | None = None
+    dropped: tuple[tuple[str, int], ...] = ()
+    context: DiagnosisContext | None = None
+    findings: tuple[Finding, ...] = ()
+    plan: Any = None  # run.plan.FixPlan, or None
     execution_count: int | None = None
     cell_id: str | None = None
     started: float = 0.0
     wall_s: float = 0.0
-    outcome: str = "ok"
-    before_allocated: int = 0
-    before_reserved: int = 0
-    after_allocated: int = 0
-    after_reserved: int = 0
-    peak_allocated: int = 0
-    peak_reserved: int = 0
-    capacity: int | None = None
-    limit: int | None = None
-    timeline: Timeline = field(default_factory=Timeline)
-    report: OOMReport | None = None
-    freed: int | None = None
-    dropped: list[tuple[str, int]] = field(default_factory=list)
-    error: str | None = None
-    findings: list = field(default_factory=list)
-    change: str | None = None
     parent: str | None = None
+    original: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    # Thin readers over the recording: one source of truth for every figure.
+    @property
+    def device(self) -> str:
+        return self.recording.device
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.recording.timeline
+
+    @property
+    def peak_allocated(self) -> int:
+        return self.recording.peak_allocated
+
+    @property
+    def peak_reserved(self) -> int:
+        return self.recording.peak_reserved
+
+    @property
+    def before_allocated(self) -> int:
+        return self.recording.before_allocated
+
+    @property
+    def after_allocated(self) -> int:
+        return self.recording.after_allocated
+
+    @property
+    def capacity(self) -> int | None:
+        return self.recording.capacity
+
+    @property
+    def limit(self) -> int | None:
+        return self.recording.limit
 
     @property
     def budget(self) -> int | None:
@@ -66,6 +97,11 @@ class CellRun:
     def held_after(self) -> int:
         """Allocated bytes the cell left behind (negative when it freed earlier memory)."""
         return self.after_allocated - self.before_allocated
+
+    @property
+    def change(self) -> str | None:
+        """The fixes in force, as a person reads them ("Gradient checkpointing + Batch 64 → 32")."""
+        return " + ".join(r.title for r in self.applied) or None
 
     def headline(self) -> str:
         """One line a person reads first."""
@@ -84,44 +120,43 @@ class CellRun:
         )
 
     def to_json(self) -> dict:
+        rec = self.recording
         return {
             "version": SCHEMA_VERSION,
             "id": self.id,
             "parent": self.parent,
             "source": self.source,
-            "device": self.device,
-            "options": self.options,
+            "original": self.original,
+            "device": rec.device,
+            "options": self.options.to_json(),
+            "applied": [r.to_json() for r in self.applied],
             "execution_count": self.execution_count,
             "cell_id": self.cell_id,
             "started": self.started,
             "wall_s": self.wall_s,
             "outcome": self.outcome,
             "headline": self.headline(),
-            "before_allocated": self.before_allocated,
-            "before_reserved": self.before_reserved,
-            "after_allocated": self.after_allocated,
-            "after_reserved": self.after_reserved,
-            "peak_allocated": self.peak_allocated,
-            "peak_reserved": self.peak_reserved,
-            "capacity": self.capacity,
-            "limit": self.limit,
+            "before_allocated": rec.before_allocated,
+            "before_reserved": rec.before_reserved,
+            "after_allocated": rec.after_allocated,
+            "after_reserved": rec.after_reserved,
+            "peak_allocated": rec.peak_allocated,
+            "peak_reserved": rec.peak_reserved,
+            "capacity": rec.capacity,
+            "limit": rec.limit,
             "headroom": self.headroom,
-            "timeline": self.timeline.downsample().to_json(),
+            "timeline": rec.timeline.downsample().to_json(),
             "report": self.report.to_json() if self.report else None,
             "freed": self.freed,
             "dropped": [list(d) for d in self.dropped],
             "error": self.error,
             "findings": [f.to_json() for f in self.findings],
+            "plan": self.plan.to_json() if self.plan is not None else None,
             "change": self.change,
         }
 
     def to_json_str(self) -> str:
         return json.dumps(self.to_json())
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        from .view.text import render_text
-
-        p.text("CellRun(...)" if cycle else render_text(self))
 
 
 def oom_headline(report: OOMReport, budget: int | None) -> str:
@@ -140,11 +175,3 @@ def oom_headline(report: OOMReport, budget: int | None) -> str:
     if report.reserved_unallocated:
         line += f": {format_bytes(report.reserved_unallocated)} of it reserved but unused"
     return line
-
-
-_HISTORY: list[CellRun] = []
-
-
-def history() -> list[CellRun]:
-    """Every ``%%gpumem`` run of this kernel, oldest first (the live list)."""
-    return _HISTORY

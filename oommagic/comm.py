@@ -16,9 +16,10 @@ script) ``comm.create_comm`` gives a comm that sends nothing, and ipykernel is n
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
-from .cellrun import CellRun, history
+from .cellrun import CellRun
 
 TARGET = "oommagic"
 PROTOCOL_VERSION = 1
@@ -27,11 +28,13 @@ log = logging.getLogger(__name__)
 
 # The one open comm of this kernel; None until the first publish or after the frontend closed it.
 _comm: Any = None
+# Where the hello's runs come from: the session's history, handed over with each publish.
+_runs: Sequence[CellRun] = ()
 
 
-def hello() -> dict[str, Any]:
+def hello(runs: Sequence[CellRun]) -> dict[str, Any]:
     """The hello message: every ``%%gpumem`` run of this kernel so far, oldest first."""
-    return {"version": PROTOCOL_VERSION, "type": "hello", "runs": [run.to_json() for run in history()]}
+    return {"version": PROTOCOL_VERSION, "type": "hello", "runs": [run.to_json() for run in runs]}
 
 
 def run_message(run: CellRun) -> dict[str, Any]:
@@ -39,12 +42,15 @@ def run_message(run: CellRun) -> dict[str, Any]:
     return {"version": PROTOCOL_VERSION, "type": "run", "run": run.to_json()}
 
 
-def publish(run: CellRun) -> None:
-    """Send ``run`` to the sidebar, opening the comm (with the hello) first if none is open.
+def publish(run: CellRun, runs: Sequence[CellRun]) -> None:
+    """Send ``run`` to the sidebar, opening the comm (with the hello of ``runs``, the kernel's history)
+    first if none is open.
 
     Never raises: a frontend that is not there, or a message that cannot be sent, is logged and the
     cell's own result stands.
     """
+    global _runs
+    _runs = runs  # the live history list: a later sync reads it again
     try:
         _open().send(run_message(run))
     except Exception:
@@ -57,7 +63,7 @@ def _open() -> Any:
         import comm
 
         # Looked up at call time: ipykernel replaces comm.create_comm when the kernel starts.
-        opened = comm.create_comm(target_name=TARGET, data=hello())
+        opened = comm.create_comm(target_name=TARGET, data=hello(_runs))
         opened.on_msg(_on_msg)
         opened.on_close(lambda msg: _forget(opened))
         _comm = opened
@@ -69,7 +75,7 @@ def _on_msg(msg: dict[str, Any]) -> None:
     # Anything but a sync (a newer frontend's message, garbage) is ignored.
     if isinstance(data, dict) and data.get("type") == "sync" and _comm is not None:
         try:
-            _comm.send(hello())
+            _comm.send(hello(_runs))
         except Exception:
             log.warning("oommagic: could not answer the sidebar's sync", exc_info=True)
 

@@ -8,61 +8,17 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from traitlets import Float, Int
 
 from .cellrun import CellRun
-from .sizes import format_bytes, parse_size
+from .options import OptionError, Options
+from .sizes import format_bytes
 
 TORCH_MISSING = (
     "%%gpumem needs PyTorch, which is not installed in this kernel's environment. "
     "Install it with `pip install torch` (see https://pytorch.org/get-started/ for the build that "
     "matches your CUDA), then restart the kernel."
 )
-
-
-class CellFailed(Exception):
-    """Fails the ``%%gpumem`` cell (so Run All stops) with one line instead of a second traceback.
-
-    IPython prints ``_render_traceback_``'s lines in place of a traceback; the exception holds no frame
-    of the failed cell, so it pins no memory.
-    """
-
-    def __init__(self, line: str) -> None:
-        super().__init__(line)
-        self.line = line
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[0;31m{type(self).__name__}\x1b[0m: {self.line}"]
-
-
-class CellOutOfMemory(CellFailed):
-    """The cell ran out of memory; its memory was given back and the report is shown above."""
-
-
-def parse_limit(text: str | None) -> float | int | None:
-    """``--limit`` value: a fraction in (0, 1] as ``float`` or a size as ``int`` bytes."""
-    if text is None:
-        return None
-    cleaned = text.strip()
-    try:
-        value = float(cleaned)
-    except ValueError:
-        value = None
-    if value is not None:
-        if 0 < value <= 1:
-            return value
-        raise UsageError(
-            f"--limit expects a size like 24GiB, 8GB, 512MiB or a fraction like 0.5, got {text!r}"
-            " (a bare number must be a fraction between 0 and 1; give sizes a unit)"
-        )
-    try:
-        nbytes = parse_size(cleaned)
-    except ValueError:
-        raise UsageError(
-            f"--limit expects a size like 24GiB, 8GB, 512MiB or a fraction like 0.5, got {text!r}"
-        ) from None
-    if nbytes <= 0:
-        raise UsageError(f"--limit must be above zero, got {text!r}")
-    return nbytes
 
 
 def _import_torch() -> Any:
@@ -75,6 +31,34 @@ def _import_torch() -> Any:
 
 @magics_class
 class GpuMemMagics(Magics):
+    """``%%gpumem`` and ``%gpumem``. Knobs are settable in ``ipython_config.py``
+    (``c.GpuMemMagics.plan_margin = 0.1``) or live with ``%config GpuMemMagics.plan_margin = 0.1``."""
+
+    trace_entries = Int(
+        500_000,
+        help="Allocator trace entries kept per cell on CUDA (a longer cell loses its earliest events from "
+        "the timeline; the peak stays exact).",
+    ).tag(config=True)
+    plan_margin = Float(
+        0.05,
+        help="Share of the budget a fix must leave free in its trial to be called 'fits' (the steps after "
+        "the trial may allocate a little more).",
+    ).tag(config=True)
+    search_margin = Float(
+        0.02, help="Share of the budget the batch search keeps free when it predicts the largest batch."
+    ).tag(config=True)
+    plan_budget_factor = Float(
+        8.0,
+        help="Default time budget of the fix plan's trials, as a multiple of the failed run's own time "
+        "(within plan_budget_min and plan_budget_max); --plan-budget overrides it.",
+    ).tag(config=True)
+    plan_budget_min = Float(20.0, help="Least default time budget of the fix plan, in seconds.").tag(
+        config=True
+    )
+    plan_budget_max = Float(300.0, help="Most default time budget of the fix plan, in seconds.").tag(
+        config=True
+    )
+
     @magic_arguments()
     @argument(
         "--limit",
@@ -105,16 +89,37 @@ class GpuMemMagics(Magics):
         metavar="NAME",
         help="search the largest batch size NAME that fits (probes, a fit, a check) instead of one run",
     )
+    @argument(
+        "--plan-budget",
+        metavar="SECONDS",
+        help="time for the fix plan's trials after an out-of-memory error (60, 90s, 2min; 0: no trials, "
+        "every fix 'not measured'); default: scaled from the failed run's own time",
+    )
+    @argument(
+        "--no-snapshot",
+        action="store_true",
+        help="let trials and searches run without keeping the model, optimizer, RNG and namespace in host "
+        "memory to restore them (for state larger than host memory): their changes then remain",
+    )
+    @argument(
+        "--report-errors",
+        action="store_true",
+        help="show the memory report for a cell that fails with another error too (it still fails)",
+    )
+    @argument("--stacks", action="store_true", help="record the Python line of each allocation (slower)")
     @argument("-o", dest="output", metavar="NAME", help="store the CellRun in the user namespace as NAME")
     @line_cell_magic
     def gpumem(self, line: str = "", cell: str | None = None) -> CellRun | None:
-        """Record a cell's GPU memory; on out-of-memory, give it back, diagnose, offer fixes.
+        """Record a cell's GPU memory; on out-of-memory, give it back, diagnose, offer fixes that fit.
 
         As a cell magic (``%%gpumem [options]``) the cell runs as usual through IPython; afterwards its
         wall time, peak allocated and reserved memory, memory held after vs before, headroom and a
         timeline of allocated/reserved memory (optimizer steps marked) are shown. When the cell runs out
-        of memory, its memory is given back at once, the error's figures are laid out with a diagnosis
-        and buttons that retry the cell with a fix, and the cell still fails so that Run All stops.
+        of memory, its memory is given back at once, the error's figures are laid out with a diagnosis,
+        the candidate fixes are measured by bounded trials (your model, optimizer, RNG and namespace are
+        restored after each), and buttons run the cell with the cheapest fix that fits. The cell still
+        fails, with a ``torch.OutOfMemoryError`` whose text is PyTorch's message, so Run All stops; any
+        other error ends the cell unchanged.
 
         Without CUDA (or with ``--device cpu``) it runs in CPU mode: tensor storage bytes are tracked
         exactly and ``--limit`` emulates a card of that size.
@@ -130,6 +135,7 @@ class GpuMemMagics(Magics):
             %%gpumem --find-batch batch_size --limit 0.5
             train(model, batch_size=batch_size)
         """
+        __tracebackhide__ = True  # the cell's own error shows its own frames, not the magic's
         if cell is None:
             if line.strip():
                 raise UsageError(
@@ -138,51 +144,62 @@ class GpuMemMagics(Magics):
             print(device_status())
             return None
         try:
-            args = parse_argstring(self.gpumem, line)
+            options = Options.from_args(parse_argstring(self.gpumem, line))
         except UsageError as err:
-            raise UsageError(
-                f"{err}. Options: --limit, --device, --quiet, --no-raise, --text, --batch, "
-                "--find-batch, -o NAME (see %%gpumem?)"
-            ) from None
-        if args.output is not None and not args.output.isidentifier():
-            raise UsageError(f"-o expects a Python name, got {args.output!r}")
-        limit = parse_limit(args.limit)
+            usage = self.gpumem.parser.format_usage().strip().replace("usage: ", "", 1)
+            raise UsageError(f"{err}\nusage: %%{usage} (see %%gpumem?)") from None
+        except OptionError as err:
+            raise UsageError(str(err)) from None
         _import_torch()
-        from .runner import RunSpec, execute
+        from .run.runner import RunSpec, cell_id
 
-        options = {k: v for k, v in vars(args).items() if v not in (None, False)}
+        session = self._session()
         spec = RunSpec(
-            source=cell, device=args.device, limit=limit, options=options, drop_bound=not args.keep
+            source=cell, options=options, cell_id=cell_id(self.shell), execution_count=self.shell.execution_count
         )
-        if args.find_batch:
-            from .batch_search import find_batch_magic
+        if options.find_batch:
+            from .run.batch_search import find_batch
 
-            return find_batch_magic(self.shell, spec, args.find_batch)
+            return find_batch(session, spec, options.find_batch)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                run = execute(self.shell, spec)
-        except ValueError as err:
+                run = session.run(spec)
+        except OptionError as err:
             raise UsageError(str(err)) from None
         for w in caught:
             print(f"%%gpumem: {w.message}")
-        return self._finish(run, args)
+        return self._finish(session, run)
 
-    def _finish(self, run: CellRun, args: Any) -> CellRun | None:
-        from . import comm
+    def _session(self) -> Any:
+        from .run.session import session_for
 
-        if args.output:
-            self.shell.user_ns[args.output] = run
-        comm.publish(run)
-        if not args.quiet:
+        session = session_for(self.shell)
+        session.plan_margin = self.plan_margin
+        session.search_margin = self.search_margin
+        session.trace_entries = self.trace_entries
+        session.budget_rule = (self.plan_budget_factor, self.plan_budget_min, self.plan_budget_max)
+        return session
+
+    def _finish(self, session: Any, run: CellRun) -> CellRun | None:
+        __tracebackhide__ = True
+        options = run.options
+        if options.output:
+            self.shell.user_ns[options.output] = run
+        error = session.pending_error(run)
+        shown = run.outcome != "error" or options.report_errors
+        if shown and not options.quiet:
             from .view import show
 
-            show(run, self.shell, text=args.text)
-        if run.outcome == "oom" and not args.no_raise:
+            show(run, session, text=options.text)
+        if run.outcome == "oom" and not options.no_raise:
             freed = f"; {format_bytes(run.freed)} given back" if run.freed else ""
-            raise CellOutOfMemory(f"{run.headline()}{freed} (report above)")
-        if run.outcome == "error":
-            raise CellFailed(f"the cell raised {run.error} (traceback above)")
+            from .run.errors import out_of_memory_error
+
+            message = run.report.text if run.report is not None else "out of memory"
+            raise out_of_memory_error(message, f"{run.headline()}{freed} (report above)") from None
+        if error is not None:
+            raise error.with_traceback(error.__traceback__)
         return None
 
 

@@ -123,3 +123,19 @@ class Timeline:
             truncated=bool(data.get("truncated", False)),
             events=int(data.get("events", 0)),
         )
+
+
+@dataclass(frozen=True)
+class Recording:
+    """The figures a recorder measured over one cell; bytes are ``int``."""
+
+    device: str
+    before_allocated: int = 0
+    before_reserved: int = 0
+    after_allocated: int = 0
+    after_reserved: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    capacity: int | None = None
+    limit: int | None = None
+    timeline: Timeline = field(default_factory=Timeline)

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
+from oommagic.run.capture import LEDGER
 
 import oommagic
-from oommagic.capture import LEDGER
-from oommagic.magics import CellFailed, CellOutOfMemory
 
 MiB = 1024**2
 
@@ -60,7 +59,7 @@ def test_no_timeline_keeps_the_peak_exact_and_the_steps(run_cell):
     )
     assert result.success
     run = last_run()
-    assert run.options.get("no_timeline") is True
+    assert run.options.no_timeline is True
     assert len(run.timeline.steps) == 3 and len(run.timeline.t) == 2  # the start and the end only
     assert run.peak_allocated - run.before_allocated >= 10_000_000  # the freed tensor still counts
     assert run.timeline.peak_allocated < run.peak_allocated
@@ -95,7 +94,7 @@ def test_oom_in_cell_gives_memory_back(shell, run_cell):
     shell.user_ns["refs"] = []
     before = LEDGER.allocated
     result, out = run_cell(OVERRUN)
-    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
     run = last_run()
     assert run.outcome == "oom"
     assert shell.user_ns["refs"][0]() is None, "the failed cell's tensor is still alive"
@@ -111,8 +110,11 @@ def test_oom_in_cell_gives_memory_back(shell, run_cell):
     parsed = oommagic.parse_oom(rep.text)
     for name in ("requested", "free", "allocated", "limit", "capacity"):
         assert abs(getattr(parsed, name) - getattr(rep, name)) <= 0.005 * getattr(rep, name) + 1, name
-    assert "Traceback" not in out and "CellOutOfMemory" in out
+    assert "Traceback" not in out and "OutOfMemoryError" in out
     assert "needed" in out
+    # The cell ends with PyTorch's own class and message: readable by parse_oom, known to is_oom.
+    err = result.error_in_exec
+    assert oommagic.is_oom(err) and oommagic.parse_oom(str(err)).requested == 200 * MiB
 
 
 # A leak whose kept tensor is each step's first allocation: the error comes at that allocation, so the
@@ -142,7 +144,7 @@ def test_a_leak_allocated_first_in_each_step_is_diagnosed_as_growth(run_cell):
 def test_huge_request_is_refused_before_it_is_allocated(run_cell):
     # 1 TiB would not fit in this machine: the emulated limit must refuse it from the factory's size.
     result, _ = run_cell("%%gpumem --limit 1GiB --quiet\nbig = torch.empty(1024**4, dtype=torch.uint8)")
-    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
     assert last_run().report.requested == 1024**4
 
 
@@ -154,7 +156,9 @@ def test_no_raise_keeps_the_cell_green(run_cell):
 
 def test_other_errors_keep_their_traceback(run_cell):
     result, out = run_cell("%%gpumem\ndef inner():\n    raise ValueError('boom 42')\ninner()")
-    assert isinstance(result.error_in_exec, CellFailed)
+    assert type(result.error_in_exec) is ValueError and str(result.error_in_exec) == "boom 42"
+    assert out.count("ValueError: boom 42") == 1, "the traceback is shown once"
+    assert "_finish" not in out and "oommagic" not in out, "the magic's own frames are hidden"
     assert "ValueError" in out and "boom 42" in out and "inner()" in out
     assert last_run().outcome == "error"
 
@@ -254,17 +258,17 @@ def test_names_the_failed_cell_bound_to_memory_are_dropped(shell, run_cell):
         shell.user_ns.pop(name, None)
     before = LEDGER.allocated
     result, _ = run_cell(BINDS.format(opt=""))
-    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
     run = last_run()
-    assert run.dropped == [("bound_big", 32 * MiB)]
+    assert run.dropped == (("bound_big", 32 * MiB),)
     assert "bound_big" not in shell.user_ns and shell.user_ns["kept_small"] == 7
     assert LEDGER.allocated == before and run.freed == 32 * MiB
 
 
 def test_keep_leaves_them_bound(shell, run_cell):
     result, _ = run_cell(BINDS.format(opt="--keep"))
-    assert isinstance(result.error_in_exec, CellOutOfMemory)
-    assert last_run().dropped == [] and shell.user_ns["bound_big"].numel() == 32 * MiB
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    assert last_run().dropped == () and shell.user_ns["bound_big"].numel() == 32 * MiB
     del shell.user_ns["bound_big"]
 
 
@@ -273,7 +277,7 @@ def test_an_oom_in_an_unknown_format_is_still_caught_and_kept(run_cell):
         "%%gpumem\nclass OutOfMemoryError(RuntimeError):\n    pass\n"
         "raise OutOfMemoryError('accelerator said: no room (code 7)')"
     )
-    assert isinstance(result.error_in_exec, CellOutOfMemory)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
     run = last_run()
     assert run.report.source == "unknown" and "no room (code 7)" in run.report.text
     assert run.report.requested is None

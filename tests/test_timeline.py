@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from oommagic.capture import cuda_timeline
+from oommagic.run.capture import cuda_timeline
 from oommagic.timeline import Timeline
 
 

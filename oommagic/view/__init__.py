@@ -13,17 +13,18 @@ def in_notebook(shell: Any) -> bool:
     return getattr(shell, "kernel", None) is not None
 
 
-def show(run: CellRun, shell: Any, text: bool = False) -> Any:
-    """Display ``run``: the widget in a kernel (its text/plain form is the text report), else text."""
+def show(run: CellRun, actions: Any, text: bool = False) -> Any:
+    """Display ``run``: the widget in a kernel (its text/plain form is the text report), else text.
+    ``actions`` is the session the widget's buttons call."""
     from IPython.display import display
 
-    if text or not in_notebook(shell):
+    if text or not in_notebook(actions.shell):
         print(render_text(run))
         return None
     from .widget import ReportWidget
 
     global _LAST
-    widget = ReportWidget(run, shell)
+    widget = ReportWidget(run, actions)
     _LAST = widget
     display(widget)
     return widget
@@ -35,5 +36,5 @@ _LAST: Any = None
 def report_widget() -> Any:
     """The report widget shown last in this kernel (None before any).
 
-    ``report_widget().click("batch")`` presses its batch button, as a person would."""
+    ``report_widget().fixes`` are its offered fixes, first = recommended; ``.click("batch")`` presses one."""
     return _LAST

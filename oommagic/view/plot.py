@@ -25,7 +25,7 @@ def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.4) -> bytes
         ax.step(tl.t, [r / scale for r in tl.reserved], where="post", color="#9bb7d4", label="reserved")
         ax.fill_between(tl.t, [a / scale for a in tl.allocated], step="post", color="#3b75af", alpha=0.35)
         ax.step(tl.t, [a / scale for a in tl.allocated], where="post", color="#3b75af", label="allocated")
-    if run.options.get("no_timeline"):
+    if run.options.no_timeline:
         # The start and the end only: draw the exact peak the line between them cannot show.
         ax.axhline(run.peak_allocated / scale, color="#3b75af", lw=1, ls=":", label="peak allocated")
         ax.set_title("--no-timeline: the start, the end and the peak only", fontsize=8)

@@ -52,6 +52,14 @@ def render_text(run: CellRun, findings: int = 5) -> str:
     """The report as plain text: headline, figures, top findings with their remedies."""
     status = {"ok": "ok", "oom": "OUT OF MEMORY", "error": "error", "interrupted": "interrupted"}[run.outcome]
     lines = [f"%%gpumem [{status}] {run.headline()}"]
+    if run.applied:
+        lines.append(f"  fixes in force: {run.change}")
+    plan = run.plan
+    if plan is not None and plan.entries and run.outcome == "oom":
+        lines.append(f"fix plan: {plan.summary}")
+        if plan.unfittable:
+            lines.append(f"  {plan.unfittable}")
+        lines += [f"  {i}. {e.title}: {e.line()}" for i, e in enumerate(plan.entries, 1)]
     width = max(len(label) for label, _ in figures(run))
     lines += [f"  {label:<{width}}  {value}" for label, value in figures(run)]
     for f in run.findings[:findings]:
@@ -59,6 +67,6 @@ def render_text(run: CellRun, findings: int = 5) -> str:
         lines += [f"    fix: {r.title}" for r in f.remedies[:3]]
     if run.timeline.truncated:
         lines.append("  (the timeline lost its earliest events: the cell made more than the trace keeps)")
-    if run.options.get("no_timeline"):
+    if run.options.no_timeline:
         lines.append("  (--no-timeline: no timeline between the start and the end; the peak is exact)")
     return "\n".join(lines)

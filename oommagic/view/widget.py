@@ -1,7 +1,9 @@
-"""The report widget: headline, figures, timeline, findings with fix buttons, retries and attempts.
+"""The report widget: headline, the fix plan with its buttons, the fixes in force, the timeline, the
+findings, and the figures folded away.
 
-The widget is a view of ``CellRun`` records; a retry makes a new ``CellRun`` (``parent`` = the run it
-retried) and the widget shows the latest one. Message text is escaped wherever it reaches HTML.
+A view of ``CellRun`` records: it renders a run and forwards clicks to the session it was given
+(``actions``: ``retry``, ``remove``, ``search``, ``pending_error``); it executes nothing itself. A click
+makes a new run, which the widget shows in place of the old one. Text is escaped wherever it reaches HTML.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import html
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from ..cellrun import CellRun
+from ..diagnosis.findings import Remedy
+from ..diagnosis.plan import FITS, PlanEntry
 from ..sizes import format_bytes
 from .plot import timeline_png
 from .text import figures, render_text
@@ -22,26 +27,76 @@ _STATUS = {
     "error": ("error", "#c0392b"),
     "interrupted": ("interrupted", "#888"),
 }
+_VERDICT_COLOUR = {FITS: "#2e7d32", "does not fit": "#c0392b"}
 
 
 def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def headline_html(run: CellRun) -> str:
+@dataclass(frozen=True)
+class Fix:
+    """One offered fix: a plan entry (one remedy or a combination) or, without a plan, one remedy.
+    ``kind`` is what ``ReportWidget.click`` takes (``"batch"``, ``"checkpointing+batch"``)."""
+
+    kind: str
+    title: str
+    fixes: tuple[Remedy, ...]
+    verdict: str = ""
+    line: str = ""
+
+
+def offered(run: CellRun) -> list[Fix]:
+    """The fixes the report offers, in the plan's order (first = recommended): every automatic plan entry
+    that fits or was not measured (ones measured not to fit are shown, not offered); without a plan, the
+    findings' automatic remedies."""
+    if run.plan is not None and run.plan.entries:
+        entries: list[PlanEntry] = [e for e in run.plan.entries if e.verdict != "does not fit"]
+        return [Fix(e.kind, e.title, e.fixes, e.verdict, e.line()) for e in entries]
+    seen: dict[str, Fix] = {}
+    for finding in run.findings:
+        for r in finding.remedies:
+            if r.automatic and r.kind not in seen:
+                seen[r.kind] = Fix(r.kind, r.title, (r,))
+    return list(seen.values())
+
+
+def headline_html(run: CellRun, fitted_after: CellRun | None = None) -> str:
     label, colour = _STATUS[run.outcome]
-    return (
-        f"<div style='font-size:1.05em'><b style='color:{colour}'>%%gpumem · {label}</b> — "
-        f"{_esc(run.headline())}</div>"
+    line = (
+        f"<div class='oommagic-headline' style='font-size:1.05em'><b style='color:{colour}'>%%gpumem · "
+        f"{label}</b> — {_esc(run.headline())}</div>"
     )
+    if run.outcome == "ok" and run.applied:
+        line += f"<div style='color:#2e7d32'>with {_esc(run.change)}</div>"
+    return line
 
 
 def figures_html(run: CellRun) -> str:
     cells = "".join(
-        f"<tr><td style='padding:0 1em 0 0;color:#555'>{_esc(k)}</td><td><code>{_esc(v)}</code></td></tr>"
+        f"<tr><td style='padding:0 1em 0 0;color:#555'>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
         for k, v in figures(run)
     )
-    return f"<table class='oommagic-figures' style='border-collapse:collapse'>{cells}</table>"
+    return (
+        "<details class='oommagic-figures'><summary>Figures</summary>"
+        f"<table style='border-collapse:collapse'>{cells}</table></details>"
+    )
+
+
+def plan_html(run: CellRun) -> str:
+    plan = run.plan
+    if plan is None or not plan.entries:
+        return ""
+    rows = "".join(
+        f"<tr><td style='padding:0.1em 1em 0.1em 0'>{_esc(e.title)}</td>"
+        f"<td style='color:{_VERDICT_COLOUR.get(e.verdict, '#555')}'>{_esc(e.line())}</td></tr>"
+        for e in plan.entries
+    )
+    parts = [f"<div><b>Fix plan</b> — {_esc(plan.summary)}</div>"]
+    if plan.unfittable:
+        parts.append(f"<div class='oommagic-unfittable' style='color:#c0392b'>{_esc(plan.unfittable)}</div>")
+    parts.append(f"<table class='oommagic-plan' style='border-collapse:collapse'>{rows}</table>")
+    return "".join(parts)
 
 
 def finding_html(finding: Any) -> str:
@@ -60,37 +115,52 @@ def finding_html(finding: Any) -> str:
 
 
 def attempts_html(runs: list[CellRun]) -> str:
+    cell = "padding:0.1em 1.2em 0.1em 0"
     rows = "".join(
-        f"<tr><td>{i}</td><td>{_esc(r.change or 'as written')}</td><td>{_esc(_STATUS[r.outcome][0])}</td>"
-        f"<td>{_esc(format_bytes(r.peak_allocated))}</td><td>{r.wall_s:.2f} s</td></tr>"
+        f"<tr><td style='{cell}'>{i}</td><td style='{cell}'>{_esc(r.change or 'as written')}</td>"
+        f"<td style='{cell}'>{_esc(_STATUS[r.outcome][0])}</td>"
+        f"<td style='{cell}'>{_esc(format_bytes(r.peak_reserved))}</td><td>{r.wall_s:.2f} s</td></tr>"
         for i, r in enumerate(runs, 1)
     )
-    head = "<tr><th>#</th><th>change</th><th>outcome</th><th>peak</th><th>time</th></tr>"
-    return f"<table class='oommagic-attempts'>{head}{rows}</table>"
+    head = "".join(f"<th style='{cell};text-align:left'>{h}</th>" for h in ("#", "fixes", "outcome", "peak"))
+    return f"<table class='oommagic-attempts'><tr>{head}<th>time</th></tr>{rows}</table>"
 
 
 class ReportWidget:
-    """The widget for one cell and its retries. ``display()`` it; its plain-text form is the text report."""
+    """The widget for one cell and its retries. ``display()`` it; its plain-text form is the text report.
 
-    def __init__(self, run: CellRun, shell: Any) -> None:
+    ``fixes`` are the offered fixes in the plan's order; ``click(kind)`` presses one as a person would."""
+
+    def __init__(self, run: CellRun, actions: Any) -> None:
         import ipywidgets as w
 
         self._w = w
-        self.shell = shell
+        self.actions = actions
         self.runs: list[CellRun] = [run]
         self.busy = False
-        self.solved = False
         self.headline = w.HTML()
+        self.plan = w.HTML()
+        self.fix_row = w.HBox(layout=w.Layout(flex_flow="row wrap"))
+        self.applied_row = w.HBox(layout=w.Layout(flex_flow="row wrap"))
+        self.plot = w.Image(format="png", layout=w.Layout(max_width="760px"))
+        self.findings = w.HTML()
         self.table = w.HTML()
-        self.plot = w.Image(format="png", layout=w.Layout(max_width="720px"))
-        self.findings = w.VBox()
         self.output = w.Output()
-        self.result = w.VBox()
         self.attempts = w.HTML()
         self.buttons: list[Any] = []
-        self._remedies: dict[Any, Any] = {}
+        self._fixes: dict[Any, Fix] = {}
         self.root = w.VBox(
-            [self.headline, self.table, self.plot, self.findings, self.output, self.result, self.attempts]
+            [
+                self.headline,
+                self.plan,
+                self.fix_row,
+                self.applied_row,
+                self.plot,
+                self.findings,
+                self.table,
+                self.output,
+                self.attempts,
+            ]
         )
         self.root.add_class("oommagic-report")
         self.show(run)
@@ -99,44 +169,66 @@ class ReportWidget:
     def latest(self) -> CellRun:
         return self.runs[-1]
 
+    @property
+    def fixes(self) -> list[Fix]:
+        """The offered fixes of the run shown, in the plan's order (first = recommended)."""
+        return offered(self.latest) if self.latest.outcome != "ok" else []
+
     def show(self, run: CellRun) -> None:
         w = self._w
         self.headline.value = headline_html(run)
+        self.plan.value = plan_html(run) if run.outcome == "oom" else ""
         self.table.value = figures_html(run)
         self.plot.value = timeline_png(run) if run.timeline.t else b""
-        self.buttons = []
-        self._remedies = {}
-        boxes = []
-        for finding in run.findings:
-            row = []
-            for remedy in finding.remedies:
-                if not remedy.automatic:
-                    continue
+        self.findings.value = "".join(
+            f"<div class='oommagic-finding' style='margin-top:0.5em'>{finding_html(f)}</div>"
+            for f in run.findings
+        )
+        self.buttons, self._fixes = [], {}
+        row = []
+        if run.outcome == "oom":
+            for i, fix in enumerate(offered(run)):
                 button = w.Button(
-                    description=_short(remedy.title), tooltip=remedy.title, layout=w.Layout(width="auto")
+                    description=_short(fix.title),
+                    tooltip=f"{fix.title}: {fix.line}" if fix.line else fix.title,
+                    button_style="primary" if i == 0 and fix.verdict == FITS else "",
+                    layout=w.Layout(width="auto", min_width="12em"),
                 )
                 button.add_class("oommagic-fix")
-                button.add_class(f"oommagic-fix-{remedy.kind.replace('_', '-')}")
-                button.on_click(lambda b, r=remedy, src=run: self.retry(b, src, r))
+                button.add_class(f"oommagic-fix-{fix.kind.split('+')[-1].replace('_', '-')}")
+                button.on_click(lambda b, f=fix, src=run: self.retry(b, src, f))
                 row.append(button)
                 self.buttons.append(button)
-                self._remedies[button] = remedy
-            boxes.append(w.VBox([w.HTML(finding_html(finding)), w.HBox(row)]))
-        batch = next((r for f in run.findings for r in f.remedies if r.kind == "batch"), None)
-        if batch is not None and run.outcome == "oom":
-            name = batch.params["name"]
-            search = w.Button(description=f"Find the largest {name} that fits", layout=w.Layout(width="auto"))
-            search.add_class("oommagic-find-batch")
-            search.on_click(lambda b, src=run, n=name: self.find_batch(b, src, n))
-            self.buttons.append(search)
-            boxes.append(search)
-        self.findings.children = boxes
+                self._fixes[button] = fix
+            batch = next((r for f in run.findings for r in f.remedies if r.kind == "batch"), None)
+            if batch is not None:
+                name = batch.params["name"]
+                search = w.Button(description=f"Find the largest {name} that fits", layout=w.Layout(width="auto"))
+                search.add_class("oommagic-find-batch")
+                search.on_click(lambda b, src=run, n=name: self.find_batch(b, src, n))
+                self.buttons.append(search)
+                row.append(search)
+        self.fix_row.children = row
+        self.applied_row.children = self._applied(run)
         self.attempts.value = attempts_html(self.runs) if len(self.runs) > 1 else ""
+
+    def _applied(self, run: CellRun) -> list[Any]:
+        """The fixes in force, each with a button that runs the cell again without it."""
+        w = self._w
+        if not run.applied:
+            return []
+        items: list[Any] = [w.HTML("<b>Fixes in force:</b>")]
+        for i, remedy in enumerate(run.applied):
+            undo = w.Button(description=f"✕ {_short(remedy.title, 40)}", tooltip=f"run without {remedy.title}")
+            undo.add_class("oommagic-remove-fix")
+            undo.on_click(lambda b, i=i, src=run: self.remove(b, src, i))
+            self.buttons.append(undo)
+            items.append(undo)
+        return items
 
     @contextlib.contextmanager
     def _one_at_a_time(self) -> Iterator[None]:
-        """Hold every button down while a retry or a search runs; they come back up afterwards unless
-        a retry solved the cell (``_after_retry`` decides)."""
+        """Hold every button down while a retry or a search runs."""
         self.busy = True
         for b in self.buttons:
             b.disabled = True
@@ -144,94 +236,73 @@ class ReportWidget:
             yield
         finally:
             self.busy = False
-            if not self.solved:
-                for b in self.buttons:
-                    b.disabled = False
+            for b in self.buttons:
+                b.disabled = False
 
     def _accepts(self, button: Any) -> bool:
         # Clicks queued while a retry ran arrive afterwards on buttons that are no longer shown.
-        return not (self.busy or self.solved) and button in self.buttons
+        return not self.busy and button in self.buttons
 
-    def retry(self, button: Any, run: CellRun, remedy: Any) -> None:
-        """Re-run the cell with ``remedy`` into this widget's output area; one retry at a time."""
+    def retry(self, button: Any, run: CellRun, fix: Fix) -> None:
+        """Run the cell with ``fix`` stacked on the fixes in force, into this widget's output area."""
         if not self._accepts(button):
             return
-        from .. import comm
-        from ..retry import spec_for
-        from ..runner import execute
+        self._act(lambda: self.actions.retry(run, fix.fixes), f"running with: {fix.title}", run, fix.fixes)
 
+    def remove(self, button: Any, run: CellRun, index: int) -> None:
+        """Run the cell again without the fix at ``index`` of ``run.applied``."""
+        if not self._accepts(button):
+            return
+        self._act(lambda: self.actions.remove(run, index), f"running without: {run.applied[index].title}", run, ())
+
+    def _act(self, action: Any, what: str, run: CellRun, fixes: tuple[Remedy, ...]) -> None:
         new = None
-        with self._one_at_a_time():
-            with self.output:
-                print(f"retrying with: {remedy.title}")
-                if remedy.new_source:
-                    from ..rewrite import unified_diff
+        with self._one_at_a_time(), self.output:
+            self.output.clear_output()
+            print(what)
+            for remedy in fixes:
+                if remedy.new_source and remedy.new_source != run.source:
+                    from ..diagnosis.rewrite import unified_diff
 
                     print(unified_diff(run.source, remedy.new_source))
-                try:
-                    spec = spec_for(run, remedy, self.shell)
-                except ValueError as err:
-                    print(err)
-                    return
-                new = execute(self.shell, spec)
-                new.cell_id = run.cell_id
-                new.execution_count = run.execution_count
-                comm.publish(new)
-            if new is not None:
-                self.runs.append(new)
-                self._after_retry(new, remedy)
+            try:
+                new = action()
+            except ValueError as err:
+                print(err)
+                return
+            error = self.actions.pending_error(new)
+            if error is not None:
+                print(f"the cell failed: {type(error).__name__}: {error}")
+        self.runs.append(new)
+        self.show(new)
+        if new.outcome == "ok":
+            self.headline.value = _fitted_html(new)
 
     def find_batch(self, button: Any, run: CellRun, name: str) -> Any:
         """Search the largest ``name`` that fits (``%%gpumem --find-batch``) into the output area."""
         if not self._accepts(button):
             return None
-        from ..batch_search import find_batch_magic
-        from ..runner import RunSpec
-
         search = None
         with self._one_at_a_time(), self.output:
-            spec = RunSpec(
-                source=run.source,
-                device=run.options.get("device") or run.device,
-                limit=run.limit,
-                options=dict(run.options),
-            )
-            search = find_batch_magic(self.shell, spec, name)
+            search = self.actions.search(run, name)
             print(search.summary())
         return search
 
-    def _after_retry(self, new: CellRun, remedy: Any) -> None:
-        w = self._w
-        if new.outcome == "ok":
-            self.solved = True
-            for b in self.buttons:
-                b.disabled = True
-            keep = remedy.new_source or remedy.code or ""
-            ok = w.HTML(
-                f"<div style='border-left:4px solid #2e7d32;padding:0.3em 0.6em'><b>It fits</b> with "
-                f"{_esc(remedy.title)}: peak {_esc(format_bytes(new.peak_allocated))} allocated, "
-                f"{_esc(format_bytes(new.peak_reserved))} reserved, headroom "
-                f"{_esc(format_bytes(new.headroom))}. Keep this change:"
-                f"<pre>{_esc(keep)}</pre></div>"
-            )
-            ok.add_class("oommagic-retry-ok")
-            self.result.children = (ok,)
-            self.attempts.value = attempts_html(self.runs)
-        else:
-            self.show(new)
-
     def click(self, kind: str) -> CellRun:
-        """Press the fix button of remedy ``kind`` ("batch", "autocast", ...), as a person would; returns
-        the retry's run. Raises ``LookupError`` when no such button is offered."""
-        for button, remedy in self._remedies.items():
-            if remedy.kind == kind and not button.disabled:
-                before = len(self.runs)
-                button.click()
-                if len(self.runs) == before:
-                    raise RuntimeError(f"the {kind} retry did not run (see the widget's output)")
-                return self.runs[-1]
-        offered = sorted({r.kind for b, r in self._remedies.items() if not b.disabled})
-        raise LookupError(f"no enabled {kind!r} fix in this report; offered: {', '.join(offered) or 'none'}")
+        """Press the offered fix ``kind`` ("batch", "autocast", "checkpointing+batch", ...) as a person
+        would; returns the new run. A kind offered only inside a combination presses that combination.
+        Raises ``LookupError`` when no such fix is offered."""
+        live = {b: f for b, f in self._fixes.items() if not b.disabled}
+        match = next((b for b, f in live.items() if f.kind == kind), None)
+        match = match or next((b for b, f in live.items() if kind in f.kind.split("+")), None)
+        if match is None:
+            offered_kinds = ", ".join(f.kind for f in live.values()) or "none"
+            raise LookupError(f"no {kind!r} fix offered in this report; offered: {offered_kinds}")
+        before = len(self.runs)
+        match.click()
+        if len(self.runs) == before:
+            raise RuntimeError(f"the {kind} fix did not run (see the widget's output)")
+        return self.runs[-1]
 
     def _repr_mimebundle_(self, **kwargs: Any) -> dict:
         bundle = self.root._repr_mimebundle_(**kwargs)
@@ -239,5 +310,15 @@ class ReportWidget:
         return bundle
 
 
-def _short(title: str, width: int = 48) -> str:
+def _fitted_html(run: CellRun) -> str:
+    return (
+        "<div class='oommagic-retry-ok' style='border-left:4px solid #2e7d32;padding:0.3em 0.6em'>"
+        f"<b style='color:#2e7d32'>%%gpumem · fits</b> with {_esc(run.change or 'the cell as written')}: "
+        f"peak {_esc(format_bytes(run.peak_reserved))} of {_esc(format_bytes(run.budget))}, headroom "
+        f"{_esc(format_bytes(run.headroom))}. The sidebar's “Apply to cell” writes this change into the "
+        "cell.</div>"
+    )
+
+
+def _short(title: str, width: int = 56) -> str:
     return title if len(title) <= width else title[: width - 1] + "…"

@@ -73,11 +73,11 @@ def rounding():
 
 @pytest.fixture
 def retry_with(shell):
-    """Click the report widget's button for the remedy of ``kind`` the diagnosis offered, and return the
-    widget (its latest run is the retry). The diagnosis must offer it; only ``hand_made`` (a remedy the
-    diagnosis does not offer for that scenario, said in the log) is added as a finding of its own: such a
-    test proves the retry mechanism, not the diagnosis."""
-    from oommagic.diagnose import Finding
+    """Run the cell again with the remedy of ``kind`` the diagnosis offered, through the session the
+    widget's buttons call, and return the widget showing it (its latest run is the retry). The diagnosis
+    must offer it; only ``hand_made`` (a remedy the diagnosis does not offer for that scenario, said in the
+    log) is used instead: such a test proves the retry mechanism, not the diagnosis."""
+    from oommagic.run.session import session_for
     from oommagic.view.widget import ReportWidget
 
     def retry(run, kind: str, hand_made=None):
@@ -89,18 +89,10 @@ def retry_with(shell):
         else:
             assert not offered, f"the diagnosis offers {kind} now: drop the hand-made remedy"
             print(f"{kind}: not offered by the diagnosis for this scenario; Remedy built by hand")
-            finding = Finding(
-                key="by-hand",
-                title="built by the GPU test",
-                evidence="not offered by the diagnosis",
-                remedies=(hand_made,),
-            )
-            run.findings = [*run.findings, finding]
-        widget = ReportWidget(run, shell)
-        css = f"oommagic-fix-{kind.replace('_', '-')}"
-        button = next(b for b in widget.buttons if css in b._dom_classes)
-        button.click()
-        new = widget.runs[-1]
+        session = session_for(shell)
+        widget = ReportWidget(run, session)
+        new = session.retry(run, hand_made or offered[0])
+        widget.runs.append(new)
         print(
             f"{kind} retry: outcome {new.outcome}; peak allocated {new.peak_allocated:,d} B, reserved "
             f"{new.peak_reserved:,d} B, limit {new.limit}; change {new.change!r}; {new.headline()}"

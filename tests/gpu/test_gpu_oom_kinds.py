@@ -117,7 +117,7 @@ def fragmented_run(cell) -> oommagic.CellRun:
 
 
 def test_fragmentation_fits_with_expandable_segments(cell, retry_with):
-    from oommagic.context import expandable_segments_on
+    from oommagic.diagnosis.context import expandable_segments_on
 
     widget = retry_with(fragmented_run(cell), "expandable_segments")
     assert widget.runs[-1].outcome == "ok"
@@ -125,9 +125,8 @@ def test_fragmentation_fits_with_expandable_segments(cell, retry_with):
 
 
 def test_fragmentation_fits_with_the_cache_emptied_every_step(cell, retry_with):
+    from oommagic.diagnosis.findings import Remedy
     from torch.optim.optimizer import _global_optimizer_post_hooks
-
-    from oommagic.remedies import Remedy
 
     hooks = len(_global_optimizer_post_hooks)
     # Fragmentation is expandable segments' case; the cache-clearing retry is proven on it all the same.

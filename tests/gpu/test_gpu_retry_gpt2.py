@@ -72,8 +72,9 @@ def test_smaller_batch_fits(gpt2, cell, retry_with):
     retry = widget.runs[-1]
     assert retry.outcome == "ok"
     # Half the batch, twice the steps: the effective batch stays 40.
-    assert retry.change == "Batch 40 → 20, accumulate 2 steps"
-    assert "batch_size = 20" in retry.source
+    (batch,) = retry.applied
+    assert batch.params["new"] * batch.params["accumulate"] == 40, batch.title
+    assert f"batch_size = {batch.params['new']}" in retry.source
     print(f"batch retry ran:\n{retry.source}")
 
 

@@ -9,15 +9,20 @@ import pytest
 import torch
 from torch import nn
 
-from oommagic.cellrun import CellRun
-from oommagic.context import expandable_segments_on, free_names, gather_context, prompt_tokens
-from oommagic.diagnose import BatchGuess, diagnose
+from oommagic.diagnosis.context import expandable_segments_on, make_context, prompt_tokens, scan_namespace
+from oommagic.diagnosis.rules import diagnose
+from oommagic.diagnosis.source import BatchGuess
+from oommagic.run.release import free_names
+from oommagic.timeline import Recording
 
 FLOAT = 4
 
 
-def context(source: str, namespace: dict, **run):
-    return gather_context(CellRun(source=source, device="cpu", **run), namespace, None)
+def context(source: str, namespace: dict, device="cpu", batch_name=None, applied=(), **recorded):
+    """The DiagnosisContext of a run of ``source`` that failed with ``namespace`` as it is."""
+    scan = scan_namespace(namespace, device, source, applied)
+    rec = Recording(device=device, **recorded)
+    return make_context(source, rec, None, scan, batch_name=batch_name, applied=applied)
 
 
 def leftovers(ctx) -> dict[str, tuple[str, int]]:
@@ -109,7 +114,7 @@ def test_a_model_in_eval_mode_or_without_backward_is_not_training():
 def test_batch_found_through_the_namespace():
     ctx = context("train(model, loader, bs)\n", {"bs": 32, "flag": True})
     assert ctx.batch == BatchGuess("bs", 32, "namespace")
-    explicit = gather_context(CellRun(source="run(n)\n", device="cpu"), {"n": 8}, None, batch_name="n")
+    explicit = context("run(n)\n", {"n": 8}, batch_name="n")
     assert explicit.batch == BatchGuess("n", 8, "option")
 
 
@@ -144,7 +149,7 @@ def test_training_arguments_flags_are_read():
 
 
 def test_a_retry_under_autocast_counts_as_autocast_on():
-    assert context("y = model(x)\n", {}, change="bfloat16 autocast").autocast_on
+    assert context("y = model(x)\n", {}, applied=("autocast",)).autocast_on
 
 
 def test_run_figures_are_carried_over():
@@ -212,6 +217,6 @@ def test_a_global_read_by_a_function_the_cell_calls_is_in_use():
 
 
 def test_a_cuda_run_on_a_machine_without_cuda_gathers_without_raising():
-    ctx = gather_context(CellRun(source="y = model(x)\n", device="cuda:0"), {"x": torch.zeros(10)}, None)
+    ctx = context("y = model(x)\n", {"x": torch.zeros(10)}, device="cuda:0")
     assert ctx.leftovers == () and ctx.device == "cuda:0"
     assert not torch.cuda.is_initialized()

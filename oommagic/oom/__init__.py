@@ -15,11 +15,11 @@ contain, so parsing is linear in the length of the text.
 
 from __future__ import annotations
 
-from .oom_pytorch import read_allocator, read_async, read_class_name, read_cpu, read_mps
-from .oom_report import OOMReport
-from .oom_runtimes import read_driver, read_library, read_tensorflow, read_xla
-from .oom_text import Page
-from .sizes import format_bytes
+from ..sizes import format_bytes
+from .pytorch import read_allocator, read_async, read_class_name, read_cpu, read_mps
+from .report import OOMReport
+from .runtimes import read_driver, read_library, read_tensorflow, read_xla
+from .text import Page
 
 __all__ = ["OOMReport", "format_emulated_oom", "is_oom", "parse_oom"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from oommagic.batch_search import Trial, first_probe, fit_line, next_batch
+from oommagic.run.batch_search import Trial, first_probe, fit_line, next_batch
 
 GiB = 1024**3
 

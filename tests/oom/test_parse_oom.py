@@ -363,8 +363,8 @@ def test_is_oom_recognises_torchs_own_classes():
 
 
 def test_reading_messages_needs_neither_torch_nor_ipython():
-    package = pathlib.Path(__file__).parent.parent / "oommagic"
-    for name in ("oom.py", "oom_report.py", "oom_text.py", "oom_pytorch.py", "oom_runtimes.py", "sizes.py"):
+    package = pathlib.Path(__file__).parents[2] / "oommagic"
+    for name in ("oom/__init__.py", "oom/report.py", "oom/text.py", "oom/pytorch.py", "oom/runtimes.py", "sizes.py"):
         tree = ast.parse((package / name).read_text(encoding="utf-8"))
         imported = {
             alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names

@@ -10,13 +10,76 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from .oom import OOMReport
-from .remedies import TRAINING_STATE, Remedy
-from .rewrite import BatchGuess
-from .sizes import format_bytes as fmt
-from .timeline import Timeline
+from ..oom import OOMReport
+from ..sizes import format_bytes as fmt
+from ..timeline import Timeline
+from .source import BatchGuess
 
-__all__ = ["DiagnosisContext", "Figures", "Finding", "Leftover", "ModelInfo", "figures"]
+__all__ = [
+    "KINDS",
+    "TRAINING_STATE",
+    "DiagnosisContext",
+    "Figures",
+    "Finding",
+    "Leftover",
+    "ModelInfo",
+    "Remedy",
+    "figures",
+]
+
+# Weights + gradients + two Adam moments: full training with Adam holds ~4x the parameters.
+TRAINING_STATE = 4
+
+KINDS = frozenset(
+    {
+        "batch",
+        "autocast",
+        "expandable_segments",
+        "max_split_size",
+        "empty_cache",
+        "checkpointing",
+        "free_leftovers",
+        "quantize",
+        "offload",
+        "truncate",
+        "max_new_tokens",
+        "num_beams",
+        "other_gpu",
+        "launch_blocking",
+        "multi_gpu",
+        "keep_numbers",
+        "no_grad",
+    }
+)
+
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """One fix: a button label, why it helps, a snippet to copy, and whether a retry can apply it.
+
+    ``kind`` is one of ``KINDS``; ``saving`` the bytes it is expected to save (None: the figures don't say);
+    ``params`` what the retry needs (JSON-able); ``new_source`` the whole cell with the change applied,
+    for source rewrites (the JupyterLab panel writes it into the cell).
+    """
+
+    kind: str
+    title: str
+    explanation: str = ""
+    code: str = ""
+    automatic: bool = False
+    saving: int | None = None
+    params: dict = field(default_factory=dict)
+    new_source: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Remedy:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
 
 
 @dataclass(frozen=True)
@@ -65,6 +128,18 @@ class ModelInfo:
     supports_checkpointing: bool = False
     checkpointing_on: bool = False
     is_training: bool = False
+    trainable_bytes: int | None = None  # parameters that get gradients (None: all of them)
+    moments: float | None = None  # optimizer state per trainable byte (Adam 2, SGD 0-1); None: no optimizer seen
+
+    @property
+    def state_bytes(self) -> int:
+        """What the model holds whatever the batch: its weights, and in training their gradients and the
+        optimizer's state (two Adam moments where no optimizer was found)."""
+        if not self.is_training:
+            return self.param_bytes
+        trainable = self.param_bytes if self.trainable_bytes is None else self.trainable_bytes
+        moments = 2.0 if self.moments is None else self.moments
+        return self.param_bytes + int(trainable * (1 + moments))
 
 
 @dataclass(frozen=True)
@@ -92,6 +167,16 @@ class DiagnosisContext:
     async_error: bool = False
     expandable_segments_on: bool = False
     grad_accum_name: str | None = None
+    trains: bool = False  # the cell trains itself or through the notebook functions it calls
+    helpers: tuple[tuple[str, str], ...] = ()  # (name, source) of notebook functions the cell calls that train
+    applied: tuple[str, ...] = ()  # kinds of the fixes in force for this run, in the order applied
+
+
+    @property
+    def training(self) -> bool:
+        """Whether this run trains: the cell says so, or a model in it is in training mode with trainable
+        parameters. The one rule every reader uses."""
+        return self.trains or any(m.is_training for m in self.models)
 
 
 @dataclass(frozen=True)
@@ -107,7 +192,7 @@ class Figures:
     fixed: int = 0
     activations: int | None = None
     training: bool = False
-    state: int = 0  # weights (x4 when training: gradients and Adam moments)
+    state: int = 0  # weights, and in training gradients and optimizer state (``ModelInfo.state_bytes``)
 
     @property
     def available(self) -> int | None:
@@ -160,15 +245,9 @@ def figures(report: OOMReport | None, ctx: DiagnosisContext) -> Figures:
     if (shortfall is None or shortfall <= 0) and demand and budget:
         shortfall = demand - budget if demand > budget else None
 
-    state = sum(m.param_bytes * (TRAINING_STATE if m.is_training else 1) for m in ctx.models)
+    state = sum(m.state_bytes for m in ctx.models)
     # The model's state is either already in before_allocated (loaded earlier) or built by the cell: the
     # larger of the two is a floor for what stays whatever the batch.
     fixed = max(ctx.before_allocated, state)
     activations = demand - fixed if demand is not None and demand > fixed else None
-    return Figures(budget, req, demand, shortfall, fixed, activations, _training(ctx), state)
-
-
-def _training(ctx: DiagnosisContext) -> bool:
-    if any(m.is_training for m in ctx.models) or ctx.grad_accum_name:
-        return True
-    return not ctx.models and any(s in ctx.source for s in (".backward(", "Trainer(", ".train("))
+    return Figures(budget, req, demand, shortfall, fixed, activations, ctx.training, state)

@@ -8,8 +8,10 @@ tensor local to the failing function stayed allocated).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -65,8 +67,55 @@ def collect(device: str | None = None) -> None:
         torch.cuda.empty_cache()
 
 
-def free_failed_cell(shell: Any, exc: BaseException, device: str) -> None:
-    """Release everything the failed cell's exception keeps alive, then collect."""
+def free_failed_cell(shell: Any, exc: BaseException, device: str, then_collect: bool = True) -> None:
+    """Release everything the failed cell's exception keeps alive, then collect (unless the caller
+    collects once itself, after more is let go)."""
     unpin_shell(shell, exc)
     clear_exception(exc)
-    collect(device)
+    if then_collect:
+        collect(device)
+
+
+def free_names(namespace: dict, names: Iterable[str], measure: Callable[[], int] | None = None) -> int:
+    """Delete ``names`` from ``namespace``, collect garbage, empty the CUDA cache (only if CUDA is already
+    initialised) and return the bytes given back: ``measure()`` before minus after, never negative.
+
+    ``measure`` defaults to ``torch.cuda.memory_allocated`` when CUDA is initialised, else 0. Memory that
+    something else still references (IPython's ``Out``, another name) stays.
+    """
+    measure = measure or _cuda_allocated
+    before = measure()
+    for name in names:
+        namespace.pop(name, None)
+    collect()
+    return max(0, before - measure())
+
+
+def _cuda_allocated() -> int:
+    torch = sys.modules.get("torch")
+    return torch.cuda.memory_allocated() if torch is not None and torch.cuda.is_initialized() else 0
+
+
+def drop_bound_by_cell(namespace: dict, ids_before: dict[str, int], device: str) -> list[tuple[str, int]]:
+    """Delete the names a failed cell bound (new, or bound to another object) to values that hold memory
+    on ``device``; returns (name, bytes) of each. They are the failed attempt's memory as much as its
+    frames are, and a retry binds them again."""
+    import torch
+
+    from ..diagnosis.context import IPYTHON_NAME, SKIPPED_TYPES, held_by, optimizer_params, tensor_storages
+
+    where = torch.device(device)
+    dropped = []
+    for name, value in list(namespace.items()):
+        if ids_before.get(name) == id(value) or IPYTHON_NAME.fullmatch(name) or isinstance(value, SKIPPED_TYPES):
+            continue
+        with contextlib.suppress(Exception):
+            _, storages = held_by(name, value, where)
+            if isinstance(value, torch.optim.Optimizer):
+                # An optimizer without state yet still keeps its model's parameters alive.
+                for p in optimizer_params(value):
+                    tensor_storages(p, where, storages)
+            if storages:
+                del namespace[name]
+                dropped.append((name, sum(storages.values())))
+    return dropped

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import re
 
-from .oom_report import OOMReport
-from .oom_text import SIZE, Page, matched_bytes, words
+from .report import OOMReport
+from .text import SIZE, Page, matched_bytes, words
 
 # ---------------------------------------------------------------------------------------------------------
 # XLA (JAX, PyTorch/XLA, TensorFlow with XLA), on GPU and TPU

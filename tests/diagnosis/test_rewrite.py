@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import ast
 
-from oommagic.rewrite import (
-    BatchGuess,
+from oommagic.diagnosis.rewrite import (
     accumulates,
-    calls_with_keyword,
     changed_lines,
-    find_batch,
-    names_read,
     rewrite_batch,
     set_call_keyword,
-    tokenizer_calls,
     unified_diff,
 )
+from oommagic.diagnosis.source import BatchGuess, calls_with_keyword, find_batch, names_read, tokenizer_calls
 
 TRAINER_CELL = """\
 args = TrainingArguments(
@@ -256,7 +252,7 @@ def test_names_on_ipython_lines_count_as_read():
 
 
 def test_a_statement_goes_after_the_cells_own_assignment():
-    from oommagic.rewrite import insert_after_assignment
+    from oommagic.diagnosis.rewrite import insert_after_assignment
 
     source = "%time x = 1\nmodel = Model(\n    width=4)\ntrain(model)"
     new = insert_after_assignment(source, "model", "model.gradient_checkpointing_enable()")

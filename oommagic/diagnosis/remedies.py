@@ -7,25 +7,20 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
-import ast
-import re
-from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..sizes import format_bytes as fmt
+from .findings import DiagnosisContext, Figures, Remedy
 from .rewrite import (
-    BatchGuess,
+    accumulate_loops,
     accumulates,
-    calls_with_keyword,
     changed_lines,
     insert_after_assignment,
+    keep_numbers_source,
     rewrite_batch,
     set_call_keyword,
-    tokenizer_calls,
 )
-from .sizes import format_bytes as fmt
-
-if TYPE_CHECKING:
-    from .findings import DiagnosisContext, Figures
+from .source import BatchGuess, calls_with_keyword, checkpoints, kept_sites, tokenizer_calls
 
 MIB = 1024**2
 # Measured on GPT-2 124M on an H200 (DESIGN.md): bf16 autocast cut the peak 16%, three times faster;
@@ -34,61 +29,8 @@ AUTOCAST_SAVING = 0.16
 CHECKPOINTING_SAVING = 0.60
 # The batch line under-predicts by up to 14% with checkpointing (DESIGN.md): aim 10% under the budget.
 MARGIN = 0.10
-# Weights + gradients + two Adam moments: full training holds ~4x the parameters.
-TRAINING_STATE = 4
-# A cell that switches checkpointing on itself needs no button for it.
-CHECKPOINTING_IN_SOURCE = re.compile(r"gradient_checkpointing\s*=\s*True|gradient_checkpointing_enable\(")
 # Bytes per parameter by dtype (float32 otherwise); 4-bit loading stores ~half a byte per weight.
 ELEMENT_SIZE = {"float64": 8, "double": 8, "float16": 2, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
-
-KINDS = frozenset(
-    {
-        "batch",
-        "autocast",
-        "expandable_segments",
-        "max_split_size",
-        "empty_cache",
-        "checkpointing",
-        "free_leftovers",
-        "quantize",
-        "offload",
-        "truncate",
-        "max_new_tokens",
-        "num_beams",
-        "other_gpu",
-        "launch_blocking",
-        "multi_gpu",
-        "keep_numbers",
-        "no_grad",
-    }
-)
-
-
-@dataclass(frozen=True)
-class Remedy:
-    """One fix: a button label, why it helps, a snippet to copy, and whether a retry can apply it.
-
-    ``kind`` is one of ``KINDS``; ``saving`` the bytes it is expected to save (None: the figures don't say);
-    ``params`` what the retry needs (JSON-able); ``new_source`` the whole cell with the change applied,
-    for source rewrites (the JupyterLab panel writes it into the cell).
-    """
-
-    kind: str
-    title: str
-    explanation: str = ""
-    code: str = ""
-    automatic: bool = False
-    saving: int | None = None
-    params: dict = field(default_factory=dict)
-    new_source: str | None = None
-
-    def to_json(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> Remedy:
-        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
-
 
 def _made(fig: Figures, kind: str, title: str, explanation: str, saving: int | None, **kw: Any) -> Remedy:
     # Every explanation ends by saying whether the saving covers what was missing.
@@ -231,11 +173,11 @@ fully_shard(model)"""
 
 def smaller_model(ctx: DiagnosisContext, fig: Figures, state: int) -> list[Remedy | None]:
     """bf16 weights, 4-bit loading (QLoRA when training), offload, several GPUs, another GPU."""
-    factor = TRAINING_STATE if fig.training else 1
     hf = any(m.is_hf for m in ctx.models)
     name = max(ctx.models, key=lambda m: m.param_bytes).name if ctx.models else "model"
     out: list[Remedy | None] = []
     fp32 = sum(m.param_bytes for m in ctx.models if _fp32(m.dtype))
+    fp32_state = sum(m.state_bytes for m in ctx.models if _fp32(m.dtype))
     if fp32:
         why = "bfloat16 takes half the bytes of float32"
         if fig.training:
@@ -245,7 +187,7 @@ def smaller_model(ctx: DiagnosisContext, fig: Figures, state: int) -> list[Remed
             )
         code = "model = AutoModelForCausalLM.from_pretrained(MODEL_ID, torch_dtype=torch.bfloat16)"
         code = code if hf else f"{name} = {name}.to(torch.bfloat16)"
-        out.append(_made(fig, "quantize", "bfloat16 weights", why + ".", fp32 * factor // 2, code=code))
+        out.append(_made(fig, "quantize", "bfloat16 weights", why + ".", fp32_state // 2, code=code))
     if ctx.models:
         four_bit = sum(m.param_bytes // (2 * ELEMENT_SIZE.get(m.dtype, 4)) for m in ctx.models)
         if fig.training:
@@ -293,21 +235,40 @@ def smaller_model(ctx: DiagnosisContext, fig: Figures, state: int) -> list[Remed
 
 
 def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc: int) -> Remedy:
-    """``guess.value`` → ``new`` with ``acc`` accumulation steps: a rewrite where the batch is a literal in
-    the cell, a rebinding of the variable otherwise."""
+    """``guess.value`` → ``new`` with ``acc`` accumulation steps. The effective batch is kept where the
+    accumulation can be written: a setting of the cell (TrainingArguments, Lightning's Trainer, a literal
+    accumulation variable) or the micro-batch loop itself, in the cell or in the notebook function it
+    calls (whose new version is put at the top of the cell). Otherwise the title says the effective batch
+    changes."""
     saving = fig.activations * (guess.value - new) // guess.value if fig.activations else None
-    new_source = rewrite_batch(ctx.source, guess, new, acc) if guess.where == "source" else None
-    title = f"Batch {guess.value} → {new}" + (f", accumulate {acc} steps" if acc > 1 else "")
-    why = (
-        f"The per-batch memory scales with {guess.name}. The estimate starts from what was in use when the "
-        "allocation failed; the step would have needed more, so the retry is the check."
-    )
-    code = changed_lines(ctx.source, new_source) if new_source else f"{guess.name} = {new}"
-    if acc > 1:
-        why += f" Accumulating gradients over {acc} steps keeps the effective batch at {new * acc}."
-        if not accumulates(ctx.source):
-            why += " This cell has no accumulation setting: the snippet shows the change to the loop."
-            code += "\n" + _accumulation_loop(acc, "Accelerator" in ctx.source)
+    new_source, keeps = batch_source(ctx.source, ctx.helpers, guess, new, acc)
+    if acc > 1 and keeps:
+        title = f"Batch {guess.value} → {new}, accumulate {acc} steps"
+        effective = new * acc
+        if effective != guess.value:
+            title += f" (effective batch {effective}, was {guess.value})"
+    else:
+        title = f"Batch {guess.value} → {new}"
+        if new < guess.value:
+            title += f" (effective batch {new}, was {guess.value})"
+    why = f"The per-batch memory scales with {guess.name}."
+    if acc > 1 and keeps:
+        why += (
+            f" Gradients accumulate over {acc} micro-batches of {new} before each optimizer step, so each "
+            f"step still sees {new * acc} samples (the loss is divided by {acc})."
+        )
+    elif new < guess.value:
+        why += (
+            " The accumulation could not be written into this cell, so each optimizer step sees fewer "
+            "samples; the snippet shows the loop with accumulation."
+        )
+    if new_source is not None and new_source != ctx.source:
+        code = changed_lines(ctx.source, new_source)
+    else:
+        new_source = None
+        code = f"{guess.name} = {new}"
+    if new < guess.value and not (acc > 1 and keeps):
+        code += "\n" + _accumulation_loop(max(acc, 2), "Accelerator" in ctx.source)
     return _made(
         fig,
         "batch",
@@ -316,9 +277,40 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
         saving,
         code=code,
         automatic=new_source is not None or guess.where != "source",
-        params={"name": guess.name, "old": guess.value, "new": new, "accumulate": acc, "where": guess.where},
+        params={
+            "name": guess.name,
+            "old": guess.value,
+            "new": new,
+            "accumulate": acc if keeps else 1,
+            "where": guess.where,
+            "keeps_effective": bool(keeps) or new >= guess.value,
+        },
         new_source=new_source,
     )
+
+
+def batch_source(
+    source: str, helpers: tuple[tuple[str, str], ...], guess: BatchGuess, new: int, acc: int
+) -> tuple[str | None, bool]:
+    """(the cell with the batch set to ``new`` and ``acc``-step accumulation written, whether the
+    accumulation was written). The cell's own setting or loop first, then the notebook functions that
+    train, redefined at the top of the cell."""
+    rewritten = rewrite_batch(source, guess, new, acc) if guess.where == "source" else source
+    if rewritten is None:
+        return None, False
+    if acc <= 1:
+        return rewritten, True
+    if accumulates(source):
+        return rewritten, True
+    looped = accumulate_loops(rewritten, acc)
+    if looped is not None:
+        return looped, True
+    defs = [accumulate_loops(code, acc) for _, code in helpers]
+    defs = [d.rstrip() for d in defs if d is not None]
+    if defs:
+        note = f"# gradient accumulation over {acc} micro-batches, written by %%gpumem"
+        return "\n\n".join([note, *defs, rewritten]), True
+    return rewritten, False
 
 
 def _accumulation_loop(acc: int, accelerate: bool) -> str:
@@ -334,6 +326,29 @@ def _accumulation_loop(acc: int, accelerate: bool) -> str:
         f"    loss = model(**batch).loss / {acc}\n    loss.backward()\n"
         f"    if (i + 1) % {acc} == 0:\n        optimizer.step()\n        optimizer.zero_grad()"
     )
+
+
+def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = ()) -> str:
+    """``source`` with ``remedy``'s rewrite made again (a fix removed from a stack: the others are
+    re-applied to the cell as written). A remedy without a rewrite leaves the source as it is."""
+    p = remedy.params
+    if remedy.new_source is None:
+        return source
+    if remedy.kind == "batch" and p.get("where") == "source":
+        guess = BatchGuess(p["name"], p["old"], "source")
+        return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1))[0] or source
+    if remedy.kind in ("max_new_tokens", "num_beams"):
+        for func in calls_with_keyword(source, p["keyword"]) or ("generate",):
+            source = set_call_keyword(source, func, p["keyword"], p["new"]) or source
+        return source
+    if remedy.kind == "truncate":
+        for func in tokenizer_calls(source):
+            cut = set_call_keyword(source, func, "truncation", True)
+            source = (cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)) or source
+        return source
+    if remedy.kind == "keep_numbers":
+        return keep_numbers_source(source) or source
+    return source
 
 
 def autocast(ctx: DiagnosisContext, fig: Figures) -> Remedy:
@@ -367,7 +382,7 @@ def autocast(ctx: DiagnosisContext, fig: Figures) -> Remedy:
 def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
     """None when every training model already checkpoints."""
     todo = [m for m in ctx.models if m.is_training and not m.checkpointing_on]
-    if (ctx.models and not todo) or CHECKPOINTING_IN_SOURCE.search(ctx.source):
+    if (ctx.models and not todo) or checkpoints(ctx.source):
         return None
     saving = int(fig.activations * CHECKPOINTING_SAVING) if fig.activations else None
     why = (
@@ -411,9 +426,6 @@ def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
 
 # --- what a loop keeps from step to step ----------------------------------------------------------------
 
-# A value kept in these forms holds no device memory and no graph.
-_DETACHED = (".item()", ".tolist()", ".numpy()")
-_NUMBER_CALLS = frozenset({"float", "int", "round", "len", "str", "bool"})
 _KEEP_GENERIC = """losses.append(loss.item())             # not losses.append(loss): that keeps the graph
 running_loss += loss.item()            # not running_loss += loss
 outputs.append(logits.detach().cpu())  # not outputs.append(logits)"""
@@ -426,7 +438,7 @@ model.train()"""
 def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Remedy | None]:
     """Keep numbers or detached CPU copies across steps, evaluate without a graph: snippets, since only the
     person knows which list grows; lines of the cell that look like the culprit are shown rewritten."""
-    sites = _kept_sites(ctx.source)
+    sites = [(s.line, s.was, s.now) for s in kept_sites(ctx.source)]
     why = (
         "A tensor kept across steps in a list or a running total keeps its device memory, and one that came "
         "out of the forward pass keeps the autograd graph with it (`total += loss` chains every step's "
@@ -447,55 +459,6 @@ def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Re
         code=_NO_GRAD,
     )
     return [keep, no_grad]
-
-
-def _kept_sites(source: str, most: int = 3) -> list[tuple[int, str, str]]:
-    """(line, statement as written, as it could be) for each `xs.append(v)` in a loop of the cell, and each
-    `total += v` with a loss, where ``v`` may be a tensor: not already a number or a detached CPU copy."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return []
-    lines = source.splitlines()
-    found: dict[tuple[int, int], tuple[int, str, str]] = {}
-    for loop in ast.walk(tree):
-        if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
-            continue
-        for node in ast.walk(loop):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                one = node.func.attr == "append" and len(node.args) == 1 and not node.keywords
-                value = node.args[0] if one else None
-            elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
-                value = node.value
-                if "loss" not in (ast.get_source_segment(source, node) or ""):
-                    value = None
-            else:
-                value = None
-            if value is None or value.lineno != value.end_lineno or not _may_be_tensor(source, value):
-                continue
-            text = ast.get_source_segment(source, value) or ""
-            line = lines[value.lineno - 1].encode()  # ast's columns count UTF-8 bytes
-            now = line[: value.col_offset] + _detached(text).encode() + line[value.end_col_offset :]
-            found.setdefault(
-                (value.lineno, value.col_offset), (value.lineno, line.decode().strip(), now.decode().strip())
-            )
-    return [found[k] for k in sorted(found)][:most]
-
-
-def _may_be_tensor(source: str, value: ast.expr) -> bool:
-    if not isinstance(value, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
-        return False
-    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in _NUMBER_CALLS:
-        return False
-    text = ast.get_source_segment(source, value) or ""
-    return not (any(d in text for d in _DETACHED) or (".detach()" in text and ".cpu()" in text))
-
-
-def _detached(text: str) -> str:
-    """`loss` → `loss.item()`; `logits` → `logits.detach().cpu()`."""
-    for tail in (".detach()", ".cpu()"):
-        text = text.removesuffix(tail)
-    return text + (".item()" if "loss" in text.lower() else ".detach().cpu()")
 
 
 # --- generation and input length -----------------------------------------------------------------------

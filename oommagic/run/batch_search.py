@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .sizes import format_bytes
+from ..diagnosis.findings import Remedy
+from ..sizes import format_bytes
 
 MARGIN = 0.02
 # Stop once the best fitting batch is within 5% of the largest one the figures still allow: a trial more
@@ -140,49 +141,51 @@ def first_probe(start: int) -> int:
     return max(1, start // 4)
 
 
-def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
-    """Run the search for ``%%gpumem --find-batch NAME``; prints progress, binds NAME to the result."""
+def find_batch(session: Any, spec: Any, name: str) -> BatchSearch:
+    """Search the largest ``name`` that fits for ``spec`` (``%%gpumem --find-batch NAME`` and the report's
+    search button): every probe is a trial of ``session`` that leaves the model, optimizer, RNG and
+    namespace as they were; afterwards ``name`` is bound to the answer. Prints progress."""
+    from dataclasses import replace
+
     from IPython.core.error import UsageError
-    from IPython.utils.capture import capture_output
 
-    from .release import collect
-    from .rewrite import find_batch, rewrite_batch
-    from .runner import RunSpec, execute
+    from ..diagnosis.rewrite import rewrite_batch
+    from ..diagnosis.source import find_batch as find_in_cell
 
-    guess = find_batch(spec.source, _int_names(shell.user_ns), name=name)
+    shell = session.shell
+    guess = find_in_cell(spec.source, _int_names(shell.user_ns), name=name)
     if guess is None:
         raise UsageError(f"--find-batch {name}: no integer {name} in the cell or the namespace")
     start = int(guess.value)
-    saved = dict(shell.user_ns)
+    search = BatchSearch(name=name, budget=0)
 
     def trial(batch: int, role: str) -> Trial:
         source = rewrite_batch(spec.source, guess, batch, accumulate=1) or spec.source
-        shell.user_ns[name] = batch
-        # Every trial starts from an empty cache: what an earlier cell or trial left cached would count
-        # as this trial's peak reserved.
-        collect(spec.device)
-        with capture_output():
-            run = execute(
-                shell,
-                RunSpec(
-                    source=source,
-                    device=spec.device,
-                    limit=spec.limit,
-                    options=spec.options,
-                    change=f"{name}={batch}",
-                    record=False,
-                ),
-            )
-        _restore_namespace(shell.user_ns, saved)
-        if run.outcome == "error":
-            raise UsageError(f"--find-batch: the cell failed with {name}={batch}: {run.error}")
-        result = Trial(batch, run.outcome == "ok", run.peak_reserved, run.wall_s, role, run.peak_allocated)
-        search.budget = run.budget or search.budget
+        probe = Remedy("batch", f"{name}={batch}", automatic=True, params={"name": name, "new": batch, "old": start, "where": "option"})
+        applied = spec.applied if guess.where == "source" else (*spec.applied, probe)
+        attempt = session.trial(replace(spec, source=source, applied=applied), bounds=None)
+        if attempt.outcome == "error":
+            raise UsageError(f"--find-batch: the cell failed with {name}={batch}: {attempt.error_text}")
+        rec = attempt.recording
+        result = Trial(batch, attempt.outcome == "ok", rec.peak_reserved, attempt.wall_s, role, rec.peak_allocated)
+        search.budget = rec.limit if rec.limit is not None else (rec.capacity or search.budget)
         print(f"  trial {len(search.trials) + 1}: {role} {name}={batch}: {_status(result)}", flush=True)
         return result
 
-    search = BatchSearch(name=name, budget=0)
     print(f"%%gpumem --find-batch {name} (starting from {start})", flush=True)
+    from .plan import frozen_heap
+
+    with frozen_heap():
+        _search(search, trial, start, session.search_margin)
+    search.best = max((t.batch for t in search.trials if t.fits), default=None)
+    if search.best is not None:
+        # The answer the person asked for: the one binding a search leaves.
+        shell.user_ns[name] = search.best
+        search.source = rewrite_batch(spec.source, guess, search.best, accumulate=1)
+    return search
+
+
+def _search(search: BatchSearch, trial: Any, start: int, margin: float) -> None:
     batch = first_probe(start)
     while True:
         search.trials.append(trial(batch, "probe"))
@@ -190,16 +193,10 @@ def find_batch_magic(shell: Any, spec: Any, name: str) -> BatchSearch:
             break
         batch = max(1, batch // 2)
     while len(search.trials) < 12:
-        batch = next_batch(search.trials, search.budget)
+        batch = next_batch(search.trials, search.budget, margin=margin)
         if batch is None:
             break
         search.trials.append(trial(batch, "probe" if len(search.trials) < 2 else "check"))
-    collect(spec.device)  # the last trial's cache
-    search.best = max((t.batch for t in search.trials if t.fits), default=None)
-    if search.best is not None:
-        shell.user_ns[name] = search.best
-        search.source = rewrite_batch(spec.source, guess, search.best, accumulate=1)
-    return search
 
 
 def _int_names(ns: dict) -> dict[str, int]:
@@ -208,15 +205,3 @@ def _int_names(ns: dict) -> dict[str, int]:
         for k, v in ns.items()
         if isinstance(v, int) and not isinstance(v, bool) and not k.startswith("_")
     }
-
-
-def _restore_namespace(ns: dict, saved: dict) -> None:
-    """Undo what a trial bound, so its tensors don't sit in memory during the next trial."""
-    for key in [k for k in ns if k not in saved]:
-        del ns[key]
-    for key, value in saved.items():
-        if ns.get(key, _MISSING) is not value:
-            ns[key] = value
-
-
-_MISSING = object()

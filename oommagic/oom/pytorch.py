@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from .oom_report import OOMReport
-from .oom_text import LEAD, SIZE, Page, matched_bytes, words
+from .report import OOMReport
+from .text import LEAD, SIZE, Page, matched_bytes, words
 
 # ---------------------------------------------------------------------------------------------------------
 # The caching allocator: CUDA, HIP (ROCm builds), XPU, and oommagic's emulated CPU device

@@ -6,16 +6,9 @@ import json
 
 import pytest
 
-from oommagic.diagnose import (
-    BatchGuess,
-    DiagnosisContext,
-    Finding,
-    Leftover,
-    ModelInfo,
-    Remedy,
-    diagnose,
-    figures,
-)
+from oommagic.diagnosis.findings import DiagnosisContext, Finding, Leftover, ModelInfo, Remedy, figures
+from oommagic.diagnosis.rules import diagnose
+from oommagic.diagnosis.source import BatchGuess
 from oommagic.oom import OOMReport
 from oommagic.timeline import Timeline
 
@@ -228,7 +221,8 @@ def test_training_counts_gradients_and_adam_state():
     )
     ctx = DiagnosisContext(capacity=CARD_24, models=(model,), other_gpus=((1, 80 * GiB),))
     big = finding(diagnose(plain_24(), ctx), "too_large")
-    assert "×4 for training" in big.evidence and "48.00 GiB" in big.evidence
+    assert "gradients + two Adam moments (no optimizer found yet: AdamW assumed)" in big.evidence
+    assert "48.00 GiB" in big.evidence
     qlora = next(r for r in big.remedies if r.kind == "quantize")
     assert "get_peft_model" in qlora.code and qlora.saving == 45 * GiB
     shard = remedy(big, "multi_gpu")
@@ -255,6 +249,7 @@ def training_ctx(**kw) -> DiagnosisContext:
         capacity=CARD_24,
         before_allocated=int(0.46 * GiB),
         models=(gpt2(is_training=True),),
+        trains=True,
         batch=BatchGuess("batch_size", 64, "source"),
     )
     return DiagnosisContext(**{**base, **kw})
@@ -266,11 +261,18 @@ def test_training_batch_halved_with_accumulation_keeping_the_effective_batch():
     assert "about 22.16 GiB that does" in act.evidence and "per sample at batch_size=64" in act.evidence
     batch = remedy(act, "batch")
     assert batch.title == "Batch 64 → 32, accumulate 2 steps"
-    assert batch.params == {"name": "batch_size", "old": 64, "new": 32, "accumulate": 2, "where": "source"}
-    assert batch.automatic and batch.new_source == LOOP.replace("batch_size = 64", "batch_size = 32")
-    assert "effective batch at 64" in batch.explanation
-    # A plain loop: the accumulation is the person's change, shown in the snippet.
-    assert "loss = model(**batch).loss / 2" in batch.code
+    assert batch.params == {
+        "name": "batch_size", "old": 64, "new": 32, "accumulate": 2, "where": "source", "keeps_effective": True
+    }
+    # The loop itself gets the accumulation: the loss divided, the optimizer stepped every 2 micro-batches.
+    assert batch.automatic and batch.new_source == LOOP.replace("batch_size = 64", "batch_size = 32").replace(
+        "for batch in loader:", "micro_step = 0\nfor batch in loader:"
+    ).replace("    loss.backward()\n", "    (loss / 2).backward()\n    micro_step += 1\n").replace(
+        "    optimizer.step()\n    optimizer.zero_grad()\n",
+        "    if micro_step % 2 == 0:\n        optimizer.step()\n        optimizer.zero_grad()\n",
+    )
+    assert "so each step still sees 64 samples" in batch.explanation
+    assert "(loss / 2).backward()" in batch.code and "if micro_step % 2 == 0:" in batch.code
     assert batch.saving == pytest.approx(22.16 * GiB / 2, rel=0.01)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import re
 
-from .sizes import REPORTED_UNITS, reported_bytes
+from ..sizes import REPORTED_UNITS, reported_bytes
 
 
 def words(phrase: str) -> str:

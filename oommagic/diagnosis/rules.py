@@ -14,13 +14,13 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..oom import OOMReport
+from ..sizes import format_bytes as fmt
+from ..timeline import Timeline
 from . import remedies as fix
-from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, figures
-from .oom import OOMReport
-from .remedies import MARGIN, TRAINING_STATE, Remedy
-from .rewrite import BatchGuess, names_read
-from .sizes import format_bytes as fmt
-from .timeline import Timeline
+from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, figures
+from .remedies import MARGIN
+from .source import BatchGuess, names_read
 
 __all__ = [
     "BatchGuess",
@@ -186,12 +186,27 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
             "it (batch, sequence length) or compute it in chunks"
         )
     if fig.state > fig.budget:
-        each = ", ".join(f"{m.name} {fmt(m.param_bytes)} of {m.dtype} weights" for m in ctx.models)
-        x4 = f" ×{TRAINING_STATE} for training (weights, gradients, two Adam moments)" if fig.training else ""
-        parts.append(f"{each}{x4}: {fmt(fig.state)}, more than the {fmt(fig.budget)} {what}")
+        each = ", ".join(_state_words(m) for m in ctx.models)
+        parts.append(f"{each}: {fmt(fig.state)}, more than the {fmt(fig.budget)} {what}")
     evidence = "; ".join(parts) + ". No allocator setting or cache clear makes this fit."
     remedies = fix.smaller_model(ctx, fig, fig.state)
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
+
+
+def _state_words(m: ModelInfo) -> str:
+    """'model 12.00 GiB of bfloat16 weights + gradients + two Adam moments (48.00 GiB)'."""
+    line = f"{m.name} {fmt(m.param_bytes)} of {m.dtype} weights"
+    if not m.is_training:
+        return line
+    frozen = m.trainable_bytes is not None and m.trainable_bytes < m.param_bytes
+    grads = f"gradients of the {fmt(m.trainable_bytes)} trainable" if frozen else "gradients"
+    if m.moments is None:
+        state = "two Adam moments (no optimizer found yet: AdamW assumed)"
+    elif m.moments == 0:
+        state = "no optimizer state (SGD without momentum)"
+    else:
+        state = f"optimizer state ({m.moments:g}× the trainable weights)"
+    return f"{line} + {grads} + {state} ({fmt(m.state_bytes)})"
 
 
 def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
@@ -312,12 +327,20 @@ def smaller_batch(old: int, fig: Figures, training: bool) -> tuple[int, int] | N
         if room < per_sample:
             return None
         target = min(target, int(room // per_sample))
-    if not training:
-        return target, 1
-    divisor = max(d for d in range(1, target + 1) if old % d == 0)
-    if 2 * divisor >= target:
+    return split_batch(old, target, training)
+
+
+def split_batch(old: int, most: int, training: bool) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) for a batch of ``old`` when at most ``most`` fits: in training a
+    divisor of ``old`` where that wastes less than half of ``most`` (accumulation then keeps the effective
+    batch exactly), else ``most`` with enough steps to reach ``old``."""
+    most = max(1, min(most, old))
+    if not training or most == old:
+        return most, 1
+    divisor = max(d for d in range(1, most + 1) if old % d == 0)
+    if 2 * divisor >= most:
         return divisor, old // divisor
-    return target, -(-old // target)
+    return most, -(-old // most)
 
 
 def _batch_remedy(ctx: DiagnosisContext, fig: Figures, training: bool) -> tuple[Remedy | None, str]:

@@ -1,0 +1,515 @@
+"""Read what the diagnosis needs from the live kernel: the namespace's device memory, models and
+optimizers, the batch size, generation inputs, and the machine (allocator settings, other GPUs and
+processes); then ``make_context`` puts it together with the run's recording into a ``DiagnosisContext``.
+
+The effectful edge of the diagnosis, and read-only: it imports torch inside its functions, never deletes
+or moves anything (``run.release`` does), triggers no warning, calls no property or ``__getattr__`` of user
+objects (instance ``__dict__``s only, ``.grad`` only of leaf tensors), and never raises for a figure it
+cannot read: it leaves that figure out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import types
+import warnings
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..oom import OOMReport
+from ..timeline import Recording
+from . import source as cell
+from .findings import DiagnosisContext, Leftover, ModelInfo
+
+# IPython's own names: output history (`_`, `__`, `_3`, `Out`), input history (`_i`, `_ii`, `_i3`, `In`).
+IPYTHON_NAME = re.compile(r"_+|_i+|_i?\d+|_[oid]h|In|Out|exit|quit|get_ipython|__\w+__")
+# A list of a hundred thousand tensors is exactly the leak worth finding; beyond that, stop counting.
+_CONTAINER_ITEMS = 100_000
+SKIPPED_TYPES = (
+    types.ModuleType,
+    type,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    str,
+    bytes,
+    int,
+    float,
+)
+# Optimizer state per trainable parameter byte, by class name; an optimizer not listed counts as Adam.
+_MOMENTS = {"SGD": None, "Adagrad": 1.0, "RMSprop": 1.0, "Adadelta": 2.0, "Adafactor": 0.1, "Lion": 1.0}
+
+Storages = dict[int, int]  # storage data_ptr -> bytes: views of one storage count once
+
+
+@dataclass(frozen=True)
+class NamespaceScan:
+    """What the namespace held when a run failed, read before anything was dropped."""
+
+    leftovers: tuple[Leftover, ...] = ()
+    models: tuple[ModelInfo, ...] = ()
+    ints: tuple[tuple[str, int], ...] = ()
+    generation: bool = False
+    prompt_tokens: int | None = None
+    trains: bool = False
+    helpers: tuple[tuple[str, str], ...] = ()
+
+
+def scan_namespace(namespace: Mapping, device: str, source: str, applied: Iterable[str] = ()) -> NamespaceScan:
+    """Read tensors, modules and optimizers in ``namespace`` (one level into containers and objects) as
+    they sit on ``device``. Read-only and silent; does not initialise CUDA."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        where = torch.device(device)
+        ints = tuple(
+            (k, v) for k, v in namespace.items() if type(v) is int and not IPYTHON_NAME.fullmatch(k)
+        )
+        trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
+        checkpointing = "checkpointing" in applied or cell.checkpoints(source)
+        leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
+        return NamespaceScan(
+            leftovers=leftovers,
+            models=models,
+            ints=ints,
+            generation=_generates(source, namespace),
+            prompt_tokens=prompt_tokens(source, namespace),
+            trains=trains,
+            helpers=training_helpers(source, namespace),
+        )
+
+
+def make_context(
+    source: str,
+    recording: Recording,
+    report: OOMReport | None,
+    scan: NamespaceScan,
+    batch_name: str | None = None,
+    applied: tuple[str, ...] = (),
+    dropped: Iterable[str] = (),
+) -> DiagnosisContext:
+    """The one ``DiagnosisContext`` of a run: the cell, its recording, the namespace as it was at the
+    failure (less the names the failed cell bound and that were dropped), the machine and the fixes in
+    force."""
+    ints = dict(scan.ints)
+    gone = set(dropped)
+    other_gpus, processes = read_machine(recording.device, report)
+    return DiagnosisContext(
+        source=source,
+        timeline=recording.timeline,
+        before_allocated=recording.before_allocated,
+        capacity=recording.capacity,
+        limit=recording.limit,
+        device=recording.device,
+        leftovers=tuple(x for x in scan.leftovers if x.name not in gone),
+        batch=cell.find_batch(source, ints, batch_name),
+        models=scan.models,
+        other_gpus=other_gpus,
+        processes=processes,
+        generation=scan.generation,
+        max_new_tokens=cell.keyword_value(source, "max_new_tokens", ints),
+        num_beams=cell.keyword_value(source, "num_beams", ints),
+        prompt_tokens=scan.prompt_tokens,
+        has_truncation=cell.passes_true(source, "truncation"),
+        autocast_on="autocast" in applied or cell.autocasts(source),
+        bf16_supported=_bf16_supported(recording.device),
+        async_error=report is not None and report.source == "driver",
+        expandable_segments_on="expandable_segments" in applied or expandable_segments_on(),
+        grad_accum_name=cell.accumulation_name(source),
+        trains=scan.trains or bool(cell.accumulation_name(source)),
+        helpers=scan.helpers,
+        applied=applied,
+    )
+
+
+# --- the namespace ------------------------------------------------------------------------------------
+
+
+def _holdings(
+    namespace: Mapping, device: Any, source: str, checkpointing: bool, trains: bool
+) -> tuple[tuple[Leftover, ...], tuple[ModelInfo, ...]]:
+    """Leftovers (largest first; a storage shared by several names counts for the largest holder only)
+    and the models in the namespace."""
+    held: dict[str, tuple[str, Storages]] = {}
+    modules: list[tuple[str, Any]] = []
+    optimizers: list[Any] = []
+    for name, value in list(namespace.items()):
+        if IPYTHON_NAME.fullmatch(name) or isinstance(value, SKIPPED_TYPES):
+            continue
+        with contextlib.suppress(Exception):  # an exotic object must not stop the diagnosis
+            kind, storages = held_by(name, value, device, modules, optimizers)
+            if storages:
+                held[name] = (kind, storages)
+    claimed: set[int] = set()
+    leftovers = []
+    in_use = _used_by_calls(source, namespace)
+    for name, (kind, storages) in sorted(held.items(), key=lambda h: -sum(h[1][1].values())):
+        mine = sum(n for ptr, n in storages.items() if ptr not in claimed)
+        claimed.update(storages)
+        if mine:
+            leftovers.append(Leftover(name, kind, mine, in_use=name in in_use))
+    return tuple(leftovers), _models(modules, optimizers, device, source, checkpointing, trains)
+
+
+def _used_by_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:
+    """Globals read by the notebook's own functions and classes that the cell uses, ``depth`` calls
+    deep: ``train()`` defined in an earlier cell reads ``model`` although the cell never names it."""
+    return {n for n in _names_in_calls(source, namespace, depth) if n in namespace}
+
+
+def _names_in_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:
+    """Every name (globals and attributes) the notebook functions the cell calls use, ``depth`` deep:
+    a ``train()`` from an earlier cell that calls ``loss.backward()`` makes the cell a training cell."""
+    names: set[str] = set()
+    frontier = [n for n in cell.names_read(source) if n in namespace]
+    seen: set[str] = set()
+    for _ in range(depth):
+        found: set[str] = set()
+        for name in frontier:
+            for code in _code_of(namespace.get(name)):
+                found |= _code_names(code)
+        names |= found
+        seen |= set(frontier)
+        frontier = sorted(n for n in found - seen if n in namespace)
+    return names
+
+
+def training_helpers(source: str, namespace: Mapping, depth: int = 2) -> tuple[tuple[str, str], ...]:
+    """(name, source) of the notebook functions the cell calls, ``depth`` calls deep, whose code calls
+    ``backward``: where a batch fix can write gradient accumulation when the cell itself has no loop."""
+    import inspect
+    import textwrap
+
+    found: dict[str, str] = {}
+    frontier = [d for d in cell.called_names(source) if "." not in d]
+    for _ in range(depth):
+        nxt: list[str] = []
+        for name in frontier:
+            func = namespace.get(name)
+            if name in found or not isinstance(func, types.FunctionType) or func.__module__ != "__main__":
+                continue
+            names = _code_names(func.__code__)
+            if "backward" in names:
+                with contextlib.suppress(Exception):  # no source (exec'd code): nothing to rewrite
+                    found[name] = textwrap.dedent(inspect.getsource(func))
+            nxt.extend(n for n in names if n in namespace and n not in found)
+        frontier = nxt
+    return tuple(found.items())
+
+
+def _code_of(value: Any) -> list[types.CodeType]:
+    """The code objects behind a function, a bound method, or a class defined in the notebook."""
+    func = getattr(value, "__func__", value)
+    if isinstance(func, types.FunctionType):
+        return [func.__code__]
+    if isinstance(value, type) and value.__module__ == "__main__":
+        return [f.__code__ for f in vars(value).values() if isinstance(f, types.FunctionType)]
+    return []
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    # co_names also holds attribute names: a superset of the globals, which errs on the side of keeping.
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _code_names(const)
+    return names
+
+
+def held_by(
+    name: str, value: Any, device: Any, modules: list | None = None, optimizers: list | None = None
+) -> tuple[str, Storages]:
+    """(kind, storages on ``device``) of one namespace value; modules and optimizers met on the way go to
+    ``modules`` and ``optimizers``. Reads instance ``__dict__``s only: no property, no ``__getattr__``."""
+    import torch
+
+    modules = [] if modules is None else modules
+    optimizers = [] if optimizers is None else optimizers
+    kind = type(value)
+    if issubclass(kind, torch.Tensor):
+        return "tensor", tensor_storages(value, device)
+    if issubclass(kind, torch.nn.Module):
+        modules.append((name, value))
+        return "module", _module_storages(value, device)
+    if issubclass(kind, torch.optim.Optimizer):
+        optimizers.append(value)
+        return "optimizer", optimizer_storages(value, device)
+    if issubclass(kind, dict):
+        items = [(f"{name}[{k!r}]", v) for k, v in _first(dict.items(value))]
+    elif issubclass(kind, (list, tuple, set, frozenset)):
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(_first(value))]
+    else:
+        # A Trainer or a pipeline holds its model and optimizer as attributes.
+        attrs = instance_dict(value)
+        items = [(f"{name}.{k}", v) for k, v in _first(attrs.items()) if isinstance(k, str)]
+    storages: Storages = {}
+    for inner_name, inner in items:
+        if issubclass(type(inner), (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
+            storages.update(held_by(inner_name, inner, device, modules, optimizers)[1])
+    return "container", storages
+
+
+def instance_dict(value: Any) -> dict:
+    """``value.__dict__`` read without calling ``__getattr__`` or a property; {} where there is none."""
+    try:
+        attrs = object.__getattribute__(value, "__dict__")
+    except Exception:
+        return {}
+    return attrs if type(attrs) is dict else {}
+
+
+def _first(items: Iterable) -> Iterable:
+    for i, item in enumerate(items):
+        if i >= _CONTAINER_ITEMS:
+            return
+        yield item
+
+
+def tensor_storages(t: Any, device: Any = None, into: Storages | None = None) -> Storages:
+    """The storages behind ``t`` (and, for a leaf, its ``.grad``) on ``device`` (any device when None)."""
+    into = {} if into is None else into
+    # `.grad` of a non-leaf tensor warns and is always None.
+    grad = t.grad if t.is_leaf else None
+    for tensor in (t, grad):
+        if tensor is None or (device is not None and not _on(tensor, device)):
+            continue
+        try:
+            storage = tensor.untyped_storage()
+            ptr, size = storage.data_ptr(), storage.nbytes()
+        except Exception:  # sparse and wrapper tensors have no plain storage: count their elements
+            ptr, size = id(tensor), tensor.numel() * tensor.element_size()
+        if size:
+            into[ptr] = size
+    return into
+
+
+def _on(t: Any, device: Any) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
+def _module_storages(module: Any, device: Any) -> Storages:
+    storages: Storages = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        tensor_storages(tensor, device, storages)
+    return storages
+
+
+def optimizer_storages(optimizer: Any, device: Any) -> Storages:
+    import torch
+
+    storages: Storages = {}
+    for state in optimizer.state.values():
+        for value in state.values() if isinstance(state, dict) else ():
+            if issubclass(type(value), torch.Tensor):
+                tensor_storages(value, device, storages)
+    return storages
+
+
+def optimizer_params(optimizer: Any) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _moments(optimizer: Any) -> float:
+    """Optimizer state per trainable parameter byte: Adam's two moments, SGD's momentum buffer or none."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        group = optimizer.param_groups[0] if optimizer.param_groups else {}
+        return 1.0 if group.get("momentum", 0) else 0.0
+    return _MOMENTS.get(name) or 2.0
+
+
+def _models(
+    modules: list, optimizers: list, device: Any, source: str, checkpointing: bool, trains: bool
+) -> tuple[ModelInfo, ...]:
+    """One ModelInfo per distinct model on ``device`` (or read by the cell); a submodule of a model
+    already listed (``layer = model.layers[0]``) is not listed again."""
+    seen: dict[int, str] = {}
+    for name, module in sorted(modules, key=lambda m: (not m[0].isidentifier(), len(m[0]))):
+        seen.setdefault(id(module), name)
+    by_id = {id(m): m for _, m in modules}
+    moments: dict[int, float] = {}
+    for opt in optimizers:
+        with contextlib.suppress(Exception):
+            factor = _moments(opt)
+            for p in optimizer_params(opt):
+                moments[p.untyped_storage().data_ptr()] = factor
+    listed: list[ModelInfo] = []
+    covered: set[int] = set()
+    ranked = sorted(seen.items(), key=lambda s: -sum(_params(by_id[s[0]], None).values()))
+    for key, name in ranked:
+        module = by_id[key]
+        params = _params(module, None)
+        on_device = _params(module, device)
+        top = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if (
+            not params
+            or set(params) <= covered
+            or not (on_device or re.search(rf"\b{re.escape(top)}\b", source))
+        ):
+            continue
+        covered.update(params)
+        found = [moments[p] for p in params if p in moments]
+        listed.append(
+            _model_info(name, module, sum(params.values()), trains, checkpointing, max(found, default=None))
+        )
+    return tuple(listed)
+
+
+def _params(module: Any, device: Any) -> Storages:
+    storages: Storages = {}
+    for p in module.parameters():
+        if device is None or _on(p, device):
+            with contextlib.suppress(Exception):
+                storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
+    return storages
+
+
+def _model_info(
+    name: str, module: Any, param_bytes: int, trains: bool, checkpointing: bool, moments: float | None
+) -> ModelInfo:
+    dtypes: Counter[str] = Counter()
+    trainable = 0
+    for p in module.parameters():
+        size = p.numel() * p.element_size()
+        dtypes[str(p.dtype).removeprefix("torch.")] += size
+        trainable += size if p.requires_grad else 0
+    hf = any(c.__module__.startswith(("transformers.", "peft.")) for c in type(module).__mro__)
+    attrs = instance_dict(module)
+    return ModelInfo(
+        name=name,
+        param_bytes=param_bytes,
+        dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
+        is_hf=hf,
+        supports_checkpointing=any(
+            "gradient_checkpointing_enable" in vars(c) for c in type(module).__mro__
+        )
+        and bool(type(module).__dict__.get("supports_gradient_checkpointing", True)),
+        checkpointing_on=checkpointing or checkpointing_enabled(module),
+        is_training=bool(attrs.get("training", False) and trainable and trains),
+        trainable_bytes=trainable,
+        moments=moments,
+    )
+
+
+# --- the source, with the namespace -------------------------------------------------------------------
+
+
+def _generates(source: str, namespace: Mapping) -> bool:
+    if cell.generates(source):
+        return True
+    called = {d.split(".", 1)[0] for d in cell.called_names(source)}
+    for name in called:
+        value = namespace.get(name)
+        mro = type(value).__mro__
+        if any(c.__name__.endswith("Pipeline") and c.__module__.startswith("transformers") for c in mro):
+            return True
+    return False
+
+
+def prompt_tokens(source: str, namespace: Mapping) -> int | None:
+    """The length of the inputs of the cell's first ``.generate(...)``, where they name a tensor (or a
+    mapping with ``input_ids``) in the namespace. None where the cell builds them itself."""
+    import torch
+
+    for name, key in cell.generate_inputs(source):
+        value = namespace.get(name)
+        with contextlib.suppress(Exception):  # a mapping without the key, an object without a shape
+            if key is not None:
+                value = dict.get(value, key) if isinstance(value, dict) else value.data[key]
+            if issubclass(type(value), torch.Tensor) and value.dim() >= 1:
+                return int(value.shape[-1])
+    return None
+
+
+# --- the machine --------------------------------------------------------------------------------------
+
+
+def checkpointing_enabled(module: Any) -> bool:
+    """Whether a model checkpoints its blocks: transformers marks each block that does with
+    ``gradient_checkpointing = True`` (read from instance dicts: no property runs)."""
+    with contextlib.suppress(Exception):
+        return any(instance_dict(m).get("gradient_checkpointing") is True for m in module.modules())
+    return False
+
+
+def _bf16_supported(device: str) -> bool:
+    if not device.startswith("cuda"):
+        return True
+    import torch
+
+    try:
+        if not torch.cuda.is_initialized():
+            return True
+        # Emulated bf16 (pre-Ampere) saves memory but runs far slower: suggest fp16 there.
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except Exception:
+        return True
+
+
+def expandable_segments_on() -> bool:
+    """Whether the caching allocator hands out expandable segments, from its live settings or the
+    environment. Best effort, never raises."""
+    settings = ""
+    with contextlib.suppress(Exception):
+        import torch
+
+        getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+        settings = getter() if getter is not None else ""
+    for text in (settings, os.environ.get("PYTORCH_ALLOC_CONF"), os.environ.get("PYTORCH_CUDA_ALLOC_CONF")):
+        match = re.search(r"expandable_segments\s*:\s*(\w+)", text or "")
+        if match:
+            return match.group(1).lower() == "true"
+    return False
+
+
+def read_machine(
+    device: str, report: OOMReport | None
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, str, int], ...]]:
+    """(other GPUs' free bytes, other processes on this GPU) through NVML; without NVML, free bytes by
+    ``mem_get_info`` where CUDA is already initialised."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return (), ()
+
+    index = device.index
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    other_gpus: list[tuple[int, int]] = []
+    processes: list[tuple[int, str, int]] = []
+    nvml = None
+    with contextlib.suppress(Exception):
+        from ..devices import read_devices
+
+        nvml = read_devices()
+    if nvml is not None and nvml.available:
+        for gpu in nvml.devices:
+            if gpu.cuda_index == index:
+                processes = [(p.pid, p.name or "?", p.used) for p in gpu.processes if p.used]
+            elif gpu.cuda_index is not None and gpu.free is not None:
+                other_gpus.append((gpu.cuda_index, gpu.free))
+    elif torch.cuda.is_initialized():
+        with contextlib.suppress(Exception):
+            for i in range(torch.cuda.device_count()):
+                if i != index:
+                    other_gpus.append((i, torch.cuda.mem_get_info(i)[0]))
+    return tuple(other_gpus), _without_self(processes, report)
+
+
+def _without_self(processes: list[tuple[int, str, int]], report: OOMReport | None) -> tuple:
+    own = os.getpid()
+    if any(pid == own for pid, _, _ in processes):
+        return tuple(p for p in processes if p[0] != own)
+    # In a container NVML shows host PIDs: recognise this process by the memory the error says it uses.
+    used = report.process_used if report else None
+    if used:
+        close = [p for p in processes if abs(p[2] - used) <= max(64 * 1024**2, used // 50)]
+        if len(close) == 1:
+            return tuple(p for p in processes if p is not close[0])
+    return tuple(processes)

@@ -1,0 +1,159 @@
+"""The fix plan: each candidate fix (or combination) with its measured peak against the budget, its time
+per step against the original, and a verdict; ordered so that the first entry is the cheapest fix verified
+to fit.
+
+Pure records and ordering; ``run.plan`` measures the entries by bounded trials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..sizes import format_bytes
+from .findings import Remedy
+
+FITS, DOES_NOT_FIT, NOT_MEASURED = "fits", "does not fit", "not measured"
+
+# What a fix changes beyond memory: 0 the same results (a setting, recomputation, the same effective
+# batch), 1 the numerics (lower precision), 2 what is computed (a smaller effective batch, shorter
+# inputs or outputs). A plan prefers the lowest tier that fits, then the fastest.
+_TIER = {
+    "expandable_segments": 0,
+    "empty_cache": 0,
+    "free_leftovers": 0,
+    "keep_numbers": 0,
+    "no_grad": 0,
+    "eval_batch": 0,
+    "split_generate": 0,
+    "checkpointing": 0,
+    "autocast": 1,
+    "quantize": 1,
+    "kv_cache": 1,
+    "truncate": 2,
+    "max_new_tokens": 2,
+    "num_beams": 2,
+}
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One candidate: the fixes applied (in order, on top of those already in force), what its trial
+    measured (``peak``: the peak reserved bytes, a lower bound where the trial ran out), and a verdict."""
+
+    fixes: tuple[Remedy, ...]
+    verdict: str = NOT_MEASURED
+    peak: int | None = None
+    budget: int | None = None
+    seconds_per_step: float | None = None
+    time_ratio: float | None = None
+    method: str = ""
+    note: str = ""
+
+    @property
+    def kind(self) -> str:
+        """``"batch"``, or ``"checkpointing+batch"`` for a combination."""
+        return "+".join(r.kind for r in self.fixes)
+
+    @property
+    def title(self) -> str:
+        return " + ".join(r.title for r in self.fixes)
+
+    @property
+    def tier(self) -> int:
+        tiers = [_TIER.get(r.kind, 2) for r in self.fixes]
+        for r in self.fixes:
+            if r.kind == "batch":
+                tiers.append(0 if r.params.get("keeps_effective", False) else 2)
+        return max(tiers, default=2)
+
+    def line(self) -> str:
+        """'fits — peak 201.3 MiB of 256.0 MiB, 1.3× the time per step (trial: 2 optimizer steps)'."""
+        parts = [self.verdict]
+        if self.peak is not None and self.budget:
+            bound = "at least " if self.verdict == DOES_NOT_FIT else ""
+            parts.append(f"peak {bound}{format_bytes(self.peak)} of {format_bytes(self.budget)}")
+        if self.time_ratio is not None:
+            parts.append(f"{self.time_ratio:.1f}× the time per step")
+        elif self.seconds_per_step is not None:
+            parts.append(f"{self.seconds_per_step:.2f} s per step")
+        text = " — ".join(parts[:1]) + (" — " + ", ".join(parts[1:]) if parts[1:] else "")
+        if self.method:
+            text += f" ({self.method})"
+        return text + (f"; {self.note}" if self.note else "")
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "title": self.title,
+            "fixes": [r.to_json() for r in self.fixes],
+            "verdict": self.verdict,
+            "peak": self.peak,
+            "budget": self.budget,
+            "seconds_per_step": self.seconds_per_step,
+            "time_ratio": self.time_ratio,
+            "method": self.method,
+            "note": self.note,
+            "line": self.line(),
+        }
+
+
+@dataclass(frozen=True)
+class FixPlan:
+    """The entries in the order offered; ``summary`` says what was measured and how (or why nothing
+    fits); ``snapshot_bytes`` the host memory the trials' state snapshot took."""
+
+    entries: tuple[PlanEntry, ...] = ()
+    summary: str = ""
+    budget_s: float = 0.0
+    spent_s: float = 0.0
+    trials: int = 0
+    snapshot_bytes: int = 0
+    stopped: bool = False
+    unfittable: str = ""
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def recommended(self) -> PlanEntry | None:
+        """The cheapest entry verified to fit, if any."""
+        return next((e for e in self.entries if e.verdict == FITS), None)
+
+    def to_json(self) -> dict:
+        return {
+            "entries": [e.to_json() for e in self.entries],
+            "summary": self.summary,
+            "budget_s": self.budget_s,
+            "spent_s": self.spent_s,
+            "trials": self.trials,
+            "snapshot_bytes": self.snapshot_bytes,
+            "stopped": self.stopped,
+            "unfittable": self.unfittable,
+            "notes": list(self.notes),
+        }
+
+
+def ordered(entries: list[PlanEntry]) -> tuple[PlanEntry, ...]:
+    """Fitting entries first, cheapest first (fewest changes to what is computed, then fastest, then the
+    fewest fixes); then the ones not measured, in the diagnosis's order; then the ones that do not fit."""
+    rank = {FITS: 0, NOT_MEASURED: 1, DOES_NOT_FIT: 2}
+
+    def key(item: tuple[int, PlanEntry]) -> tuple:
+        i, e = item
+        if e.verdict == FITS:
+            return (0, e.tier, e.time_ratio or e.seconds_per_step or 0.0, len(e.fixes), i)
+        return (rank.get(e.verdict, 1), 0, 0.0, 0, i)
+
+    return tuple(e for _, e in sorted(enumerate(entries), key=key))
+
+
+def with_time_ratios(entries: list[PlanEntry], reference: float | None) -> list[PlanEntry]:
+    """Each entry's time per step against ``reference`` (the original's, else the fastest fitting one)."""
+    from dataclasses import replace
+
+    times = [e.seconds_per_step for e in entries if e.verdict == FITS and e.seconds_per_step]
+    ref = reference or (min(times) if times else None)
+    if not ref:
+        return entries
+    return [
+        replace(e, time_ratio=round(e.seconds_per_step / ref, 2)) if e.seconds_per_step else e
+        for e in entries
+    ]

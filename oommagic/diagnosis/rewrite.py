@@ -1,0 +1,324 @@
+"""Rewrite a cell's source: change a literal, set a call's keyword, insert a statement.
+
+Pure (``ast`` and ``re`` only), on the one parse of ``source``. A rewrite replaces just the span of one
+literal or inserts just one statement or keyword, so every other byte of the cell stays as the person wrote
+it; masked IPython lines come back untouched.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import re
+
+from .source import (
+    ACCUMULATION_NAMES,
+    BatchGuess,
+    Binding,
+    SourceText,
+    binding_sites,
+    call_matches,
+    dotted_name,
+    int_literal,
+    target_names,
+    tree_of,
+)
+
+# TRL's configs subclass TrainingArguments and take the same keywords.
+_TRAINING_ARGS = re.compile(r"(\w*TrainingArguments|SFTConfig|DPOConfig|ORPOConfig|KTOConfig|GRPOConfig)")
+
+
+def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: int = 1) -> str | None:
+    """Return the cell with its batch literal set to ``new_value``; with ``accumulate > 1`` also multiply a
+    literal gradient-accumulation setting by it, or add ``gradient_accumulation_steps`` to a
+    TrainingArguments call. A plain training loop gets no invented accumulation code. None when the batch
+    is not a literal in the cell (the retry then rebinds the variable instead)."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    sites = binding_sites(tree)
+    batch = [s for s in sites if s.name == guess.name and int_literal(s.value) is not None]
+    batch = [s for s in batch if int_literal(s.value) == guess.value] or batch
+    if not batch:
+        return None
+    edits = [(*src.span(s.value), str(new_value)) for s in batch]
+    if accumulate > 1:
+        edits.extend(_accumulation_edits(src, tree, sites, batch, accumulate))
+    return _checked(_apply(source, edits))
+
+
+def accumulates(source: str) -> bool:
+    """Whether ``rewrite_batch`` with ``accumulate > 1`` keeps the effective batch inside this cell: it has
+    a literal accumulation setting to multiply or a TrainingArguments call to add one to."""
+    tree = tree_of(source)
+    if tree is None:
+        return False
+    sites = binding_sites(tree)
+    return bool(_accumulation_literals(sites) or _training_args_calls(tree) or _lightning_trainer_calls(tree))
+
+
+def _accumulation_literals(sites: list[Binding]) -> list[Binding]:
+    literal = [s for s in sites if s.name in ACCUMULATION_NAMES and int_literal(s.value) is not None]
+    # `gradient_accumulation_steps=ga` with `ga = 2` above: multiply the 2.
+    behind = {s.value.id for s in sites if s.name in ACCUMULATION_NAMES and isinstance(s.value, ast.Name)}
+    literal += [s for s in sites if s.name in behind and s.call is None and int_literal(s.value) is not None]
+    return literal
+
+
+def _training_args_calls(tree: ast.Module) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and _TRAINING_ARGS.fullmatch(dotted_name(n.func).rsplit(".", 1)[-1])
+    ]
+
+
+def _accumulation_edits(
+    src: SourceText, tree: ast.Module, sites: list[Binding], batch: list[Binding], accumulate: int
+) -> list[tuple[int, int, str]]:
+    literal = _accumulation_literals(sites)
+    if literal:
+        return [(*src.span(s.value), str(int_literal(s.value) * accumulate)) for s in literal]
+    if any(s.name in ACCUMULATION_NAMES for s in sites):
+        return []  # set from a variable we cannot see into: leave it, the explanation says so
+    edits = []
+    for call in _training_args_calls(tree):
+        anchor = next((s.keyword for s in batch if s.call is call), None)
+        edits.append(_insert_keyword(src, call, f"gradient_accumulation_steps={accumulate}", anchor))
+    if not edits:
+        # Lightning's Trainer accumulates with its own keyword (HF's Trainer takes TrainingArguments).
+        for call in _lightning_trainer_calls(tree):
+            edits.append(_insert_keyword(src, call, f"accumulate_grad_batches={accumulate}"))
+    return edits
+
+
+def _lightning_trainer_calls(tree: ast.Module) -> list[ast.Call]:
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and dotted_name(n.func).rsplit(".", 1)[-1] == "Trainer"
+        and not any(k.arg == "args" for k in n.keywords)
+        and not any(k.arg == "accumulate_grad_batches" for k in n.keywords)
+        and any(k.arg in ("max_epochs", "max_steps", "accelerator", "devices", "precision") for k in n.keywords)
+    ]
+
+
+def _insert_keyword(
+    src: SourceText, call: ast.Call, text: str, anchor: ast.AST | None = None
+) -> tuple[int, int, str]:
+    """An edit adding ``text`` to ``call`` after ``anchor`` (default: its last argument), on its own line
+    where the call puts one argument per line."""
+    args: list[ast.AST] = [*call.args, *call.keywords]
+    if not args:
+        close = src.offset(call.end_lineno, call.end_col_offset) - 1
+        return (close, close, text)
+    anchor = anchor or max(args, key=lambda a: (a.end_lineno, a.end_col_offset))
+    start, end = src.span(anchor)
+    line_start = src.starts[anchor.lineno - 1]
+    own_line = re.match(r"[ \t]*,[ \t]*(#[^\r\n]*)?\r?\n", src.text[end:])
+    if own_line and not src.text[line_start:start].strip():
+        indent = src.text[line_start:start]
+        eol = "\r\n" if own_line.group(0).endswith("\r\n") else "\n"
+        at = end + own_line.end()
+        return (at, at, f"{indent}{text},{eol}")
+    return (end, end, f", {text}")
+
+
+def _apply(source: str, edits: list[tuple[int, int, str]]) -> str:
+    for start, end, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
+        source = source[:start] + text + source[end:]
+    return source
+
+
+def _checked(source: str) -> str | None:
+    return source if tree_of(source) is not None else None
+
+
+def set_call_keyword(
+    source: str, func_attr: str, keyword: str, value: object, replace: bool = True
+) -> str | None:
+    """Return the cell with ``keyword=value`` in every call to ``func_attr`` (``generate`` matches
+    ``model.generate(...)``; ``tokenizer`` matches ``tokenizer(...)``), replacing the keyword's value
+    where it is already passed (left as it is with ``replace=False``). None when the cell makes no such
+    call."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and call_matches(n.func, func_attr)]
+    if not calls:
+        return None
+    edits = []
+    for call in calls:
+        existing = next((kw for kw in call.keywords if kw.arg == keyword), None)
+        if existing is not None:
+            if replace:
+                edits.append((*src.span(existing.value), repr(value)))
+        else:
+            edits.append(_insert_keyword(src, call, f"{keyword}={value!r}"))
+    return _checked(_apply(source, edits))
+
+
+def insert_after_assignment(source: str, name: str, statement: str) -> str | None:
+    """Return the cell with ``statement`` on its own line after the last top-level assignment to
+    ``name`` (``model = AutoModel...`` → ``model.gradient_checkpointing_enable()`` below it); None when
+    the cell does not assign ``name`` at top level. A retry re-creates such objects, so a setting made
+    on the old one in the namespace would not reach the new one."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    assigned = [
+        node
+        for node in tree.body
+        if isinstance(node, (ast.Assign, ast.AnnAssign))
+        and name
+        in {n for t in getattr(node, "targets", [getattr(node, "target", None)]) for n in target_names(t)}
+    ]
+    if not assigned:
+        return None
+    end = assigned[-1].end_lineno
+    lines = source.split("\n")
+    indent = lines[assigned[-1].lineno - 1][
+        : len(lines[assigned[-1].lineno - 1]) - len(lines[assigned[-1].lineno - 1].lstrip())
+    ]
+    return _checked("\n".join([*lines[:end], indent + statement, *lines[end:]]))
+
+
+def unified_diff(old: str, new: str, name: str = "cell") -> str:
+    """A unified diff of two cell sources, for showing a rewrite before it is applied."""
+
+    def lines(text: str) -> list[str]:
+        out = text.splitlines(keepends=True)
+        if out and not out[-1].endswith("\n"):
+            out[-1] += "\n"
+        return out
+
+    return "".join(difflib.unified_diff(lines(old), lines(new), f"{name} (before)", f"{name} (after)"))
+
+
+def changed_lines(old: str, new: str) -> str:
+    """The lines of ``new`` that differ from ``old``, dedented: the part of a rewrite to copy by hand."""
+    added = [
+        line[1:]
+        for line in difflib.unified_diff(old.splitlines(), new.splitlines(), lineterm="", n=0)
+        if line.startswith("+") and not line.startswith("+++")
+    ]
+    indent = min((len(a) - len(a.lstrip()) for a in added if a.strip()), default=0)
+    return "\n".join(a[indent:] for a in added)
+
+
+def accumulate_loops(source: str, steps: int, counter: str = "micro_step") -> str | None:
+    """Return the cell with gradient accumulation over ``steps`` micro-batches written into each training
+    loop (a ``for``/``while`` whose body calls ``.backward()``): the loss divided by ``steps``, a counter
+    after the backward pass, every optimizer/scheduler ``.step()`` and ``.zero_grad()`` of the loop run
+    only when the counter reaches a multiple of ``steps``, and ``range(n)`` loops run ``n * steps`` times so
+    the number of optimizer steps stays. None when the cell has no such loop."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    edits: list[tuple[int, int, str]] = []
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While)) and _trains_in(n)]
+    # The innermost training loops only: an epoch loop around a batch loop keeps its own count.
+    loops = [n for n in loops if not any(m is not n and _contains(n, m) for m in loops)]
+    if not loops:
+        return None
+    for loop in loops:
+        loop_indent = src.lines[loop.lineno - 1][: loop.col_offset]
+        edits.append((src.starts[loop.lineno - 1], src.starts[loop.lineno - 1], f"{loop_indent}{counter} = 0\n"))
+        if isinstance(loop, ast.For) and _is_range_call(loop.iter):
+            arg = loop.iter.args[-1] if len(loop.iter.args) == 1 else None
+            if arg is not None:
+                atomic = isinstance(arg, (ast.Name, ast.Constant, ast.Attribute, ast.Call))
+                text = src.segment(arg) if atomic else f"({src.segment(arg)})"
+                edits.append((*src.span(arg), f"{text} * {steps}"))
+        for block in _blocks(loop.body):
+            guarded_before = False
+            for stmt in block:
+                call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
+                name = call.func.attr if call is not None and isinstance(call.func, ast.Attribute) else None
+                indent = src.lines[stmt.lineno - 1][: stmt.col_offset]
+                start, end = src.starts[stmt.lineno - 1], src.offset(stmt.end_lineno, stmt.end_col_offset)
+                guarded = name in ("step", "zero_grad") or (name == "update" and _owner(call) == "scaler")
+                if name == "backward":
+                    loss = _loss_of(call)
+                    text = f"{src.segment(loss)} / {steps}"
+                    edits.append((*src.span(loss), f"({text})" if loss is call.func.value else text))
+                    edits.append((end, end, f"\n{indent}{counter} += 1"))
+                elif guarded:
+                    body = src.text[start + len(indent) : end].replace("\n", "\n    ")
+                    head = "" if guarded_before else f"{indent}if {counter} % {steps} == 0:\n"
+                    edits.append((start, end, f"{head}{indent}    {body}"))
+                guarded_before = guarded
+    return _checked(_apply(source, edits))
+
+
+def _trains_in(loop: ast.AST) -> bool:
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        for stmt in _statements(loop.body)
+        for n in ast.walk(stmt)
+    )
+
+
+def _contains(outer: ast.AST, inner: ast.AST) -> bool:
+    return any(n is inner for n in ast.walk(outer))
+
+
+def _blocks(body: list[ast.stmt]) -> list[list[ast.stmt]]:
+    """The statement lists of a loop body and of its ``if``/``with``/``try`` blocks (not of nested loops
+    or functions)."""
+    out = [body]
+    for stmt in body:
+        if isinstance(stmt, (ast.If, ast.With, ast.AsyncWith, ast.Try)):
+            for inner in (stmt.body, getattr(stmt, "orelse", [])):
+                if inner:
+                    out.extend(_blocks(inner))
+    return out
+
+
+def _statements(body: list[ast.stmt]) -> list[ast.stmt]:
+    """The simple statements of a loop body, into its ``if``/``with``/``try`` blocks but not into nested
+    loops or functions."""
+    out: list[ast.stmt] = []
+    for stmt in body:
+        if isinstance(stmt, (ast.If, ast.With, ast.AsyncWith)):
+            out.extend(_statements(stmt.body) + _statements(getattr(stmt, "orelse", [])))
+        elif isinstance(stmt, ast.Try):
+            out.extend(_statements(stmt.body))
+        elif not isinstance(stmt, (ast.For, ast.While, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.append(stmt)
+    return out
+
+
+def _is_range_call(node: ast.expr) -> bool:
+    return isinstance(node, ast.Call) and dotted_name(node.func) == "range" and not node.keywords
+
+
+def _loss_of(backward: ast.Call) -> ast.expr:
+    """The loss a ``.backward()`` call differentiates: ``loss`` in ``loss.backward()`` and in
+    ``scaler.scale(loss).backward()``; the argument of ``accelerator.backward(loss)``."""
+    target = backward.func.value
+    if isinstance(target, ast.Call) and dotted_name(target.func).endswith("scale") and target.args:
+        return target.args[0]
+    if _owner(backward) in ("accelerator", "fabric") and backward.args:
+        return backward.args[0]
+    return target
+
+
+def _owner(call: ast.Call) -> str:
+    """The last name of what a method is called on (``scaler`` in ``self.scaler.step(opt)``)."""
+    return dotted_name(call.func.value).rsplit(".", 1)[-1].lower() if isinstance(call.func, ast.Attribute) else ""
+
+
+def keep_numbers_source(source: str) -> str | None:
+    """The cell with each value kept across loop iterations (``losses.append(loss)``, ``total += loss``)
+    kept as a number or a detached CPU copy instead; None when there is no such statement."""
+    from .source import kept_sites
+
+    sites = kept_sites(source, most=100)
+    if not sites:
+        return None
+    return _checked(_apply(source, [(s.start, s.end, s.replacement) for s in sites]))

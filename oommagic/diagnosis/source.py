@@ -1,0 +1,461 @@
+"""The cell, parsed once: IPython syntax masked, and every reader of the source built on that one parse.
+
+Pure (``ast`` and ``re`` only). ``parse_cell`` masks IPython lines (``%time``, ``!pip``, ``x = !ls``,
+``obj?``) so that a cell with them reads like the same cell without them: ``%time expr`` keeps ``expr`` (as
+``pass; expr``, same columns), other IPython lines become ``pass``. Parses are cached by text, so the
+diagnosis, the remedies and the rewrites of one cell share one tree. What the cell *says* (its batch, the
+names it reads, whether it trains or generates, what it keeps across steps) is read here; ``rewrite``
+writes new versions of it.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+# Most specific first: a TrainingArguments keyword beats a loose `bs`; `batch` is usually the batch itself
+# (`for batch in loader`), so it only counts when nothing else is found.
+BATCH_NAMES = (
+    "per_device_train_batch_size",
+    "train_batch_size",
+    "micro_batch_size",
+    "batch_size",
+    "BATCH_SIZE",
+    "bs",
+    "batch",
+)
+ACCUMULATION_NAMES = (
+    "gradient_accumulation_steps",
+    "grad_accum_steps",
+    "accumulation_steps",
+    "accum_steps",
+    "grad_accum",
+)
+# TRL's configs subclass TrainingArguments and take the same keywords.
+_TRAINING_ARGS = re.compile(r"(\w*TrainingArguments|SFTConfig|DPOConfig|ORPOConfig|KTOConfig|GRPOConfig)")
+_MAGIC_LINE = re.compile(r"^\s*[%!?]|^\s*[\w.]+(?:\s*,\s*[\w.]+)*\s*=\s*[%!]|^\s*[\w.\[\]()]+\?\??\s*$")
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+_TOKENIZER = re.compile(r"(\w*_)?(tokenizer|tok|processor)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class BatchGuess:
+    """Where the cell's batch size lives.
+
+    ``where`` is ``"source"`` (an int literal in the cell: a rewrite can change it), ``"namespace"`` (the cell
+    reads a variable that holds it) or ``"option"`` (the name came from ``--batch NAME``, the value from the
+    namespace).
+    """
+
+    name: str
+    value: int
+    where: str = "source"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One place where the source binds ``name`` to the expression ``value``."""
+
+    name: str
+    value: ast.expr
+    call: ast.Call | None = None
+    keyword: ast.keyword | None = None
+
+
+class SourceText:
+    """Source text with ``ast`` positions (1-based lines, UTF-8 byte columns) turned into string offsets."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.lines = text.split("\n")
+        self.starts = [0]
+        for line in self.lines[:-1]:
+            self.starts.append(self.starts[-1] + len(line) + 1)
+
+    def offset(self, lineno: int, col: int) -> int:
+        line = self.lines[lineno - 1]
+        if not line.isascii():
+            col = len(line.encode("utf-8")[:col].decode("utf-8", errors="ignore"))
+        return self.starts[lineno - 1] + col
+
+    def span(self, node: ast.AST) -> tuple[int, int]:
+        return (
+            self.offset(node.lineno, node.col_offset),
+            self.offset(node.end_lineno, node.end_col_offset),
+        )
+
+    def segment(self, node: ast.AST) -> str:
+        start, end = self.span(node)
+        return self.text[start:end]
+
+
+
+_TIMED = re.compile(r"^(\s*)(%(?:time|timeit|prun)\s+)(?=[^\s-])")
+
+
+@dataclass(frozen=True)
+class ParsedCell:
+    """A cell's ``ast`` (None when it does not parse even masked) and the lines masked to ``pass``."""
+
+    text: str
+    tree: ast.Module | None
+    masked: tuple[str, ...] = ()
+
+
+@functools.lru_cache(maxsize=256)
+def parse_cell(source: str) -> ParsedCell:
+    """Parse a cell once, masking IPython-only lines where the parser trips on them. Callers must not
+    change the tree: it is shared."""
+    lines = source.split("\n")
+    level: dict[int, int] = {}
+    for _ in range(2 * len(lines) + 1):
+        try:
+            tree = ast.parse("\n".join(lines))
+        except (SyntaxError, ValueError) as err:
+            i = (getattr(err, "lineno", None) or 0) - 1
+            original = source.split("\n")
+            if not (0 <= i < len(lines)) or level.get(i, 0) >= 2 or not _MAGIC_LINE.search(original[i]):
+                break
+            level[i] = level.get(i, 0) + 1
+            lines[i] = _masked(original[i], keep_code=level[i] == 1)
+            continue
+        return ParsedCell(source, tree, tuple(source.split("\n")[i] for i, lv in level.items() if lv == 2))
+    # The parser may report an error below the magic line that caused it: mask every candidate at once.
+    original = source.split("\n")
+    candidates = tuple(line for line in original if _MAGIC_LINE.search(line))
+    lines = [_masked(line, keep_code=False) if _MAGIC_LINE.search(line) else line for line in original]
+    try:
+        return ParsedCell(source, ast.parse("\n".join(lines)), candidates)
+    except (SyntaxError, ValueError):
+        return ParsedCell(source, None, ())
+
+
+def tree_of(source: str) -> ast.Module | None:
+    return parse_cell(source).tree
+
+
+def _masked(line: str, keep_code: bool) -> str:
+    # Same indentation keeps an indented block valid; `%time x = f()` becomes `pass; x = f()` with the
+    # columns of `x = f()` unchanged, so its names are read and its literals can still be rewritten.
+    timed = _TIMED.match(line)
+    if keep_code and timed:
+        indent, prefix = timed.group(1), timed.group(2)
+        return indent + "pass;" + " " * (len(prefix) - 5) + line[timed.end() :]
+    return line[: len(line) - len(line.lstrip())] + "pass"
+
+
+def dotted_name(node: ast.expr) -> str:
+    """``model.generate`` for ``model.generate``; ``?.generate`` where the object is not a plain name."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return f"{dotted_name(node.value)}.{node.attr}"
+    return "?"
+
+
+def call_matches(func: ast.expr, name: str) -> bool:
+    dotted = dotted_name(func)
+    return dotted == name or dotted.endswith("." + name)
+
+
+def target_names(target: ast.expr) -> Iterator[str]:
+    if isinstance(target, ast.Name):
+        yield target.id
+    elif isinstance(target, ast.Attribute):
+        yield target.attr
+    elif (
+        isinstance(target, ast.Subscript)
+        and isinstance(target.slice, ast.Constant)
+        and isinstance(target.slice.value, str)
+    ):
+        yield target.slice.value
+
+
+def binding_sites(tree: ast.Module) -> list[Binding]:
+    """Every assignment, keyword argument and dict entry that binds a name, in source order."""
+    found: list[Binding] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    for t, v in zip(target.elts, node.value.elts, strict=False):
+                        found.extend(Binding(n, v) for n in target_names(t))
+                else:
+                    found.extend(Binding(n, node.value) for n in target_names(target))
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            found.extend(Binding(n, node.value) for n in target_names(node.target))
+        elif isinstance(node, ast.Call):
+            found.extend(Binding(kw.arg, kw.value, node, kw) for kw in node.keywords if kw.arg)
+        elif isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=False):
+                if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                    found.append(Binding(key.value, value))
+    return sorted(found, key=lambda s: (s.value.lineno, s.value.col_offset))
+
+
+def int_literal(node: ast.expr) -> int | None:
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    return None
+
+
+def _loads(tree: ast.Module | None, source: str) -> list[str]:
+    """Names the cell reads, in source order (every identifier when the cell does not parse)."""
+    if tree is None:
+        return _IDENTIFIER.findall(source)
+    loads = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+    return [n.id for n in sorted(loads, key=lambda n: (n.lineno, n.col_offset))]
+
+
+def find_batch(
+    source: str, namespace_names: dict[str, int] | None = None, name: str | None = None
+) -> BatchGuess | None:
+    """Find the cell's batch size: an int literal bound to a batch-size name (or to ``name``) by an
+    assignment, a keyword argument or a dict entry; else such a name the cell reads whose value in
+    ``namespace_names`` is an int. None when neither is there."""
+    namespace_names = namespace_names or {}
+    tree = tree_of(source)
+    sites = binding_sites(tree) if tree is not None else []
+    for wanted in (name,) if name else BATCH_NAMES:
+        for site in sites:
+            value = int_literal(site.value)
+            if site.name == wanted and value is not None and value >= 1:
+                return BatchGuess(site.name, value, "source")
+    if name:
+        value = namespace_names.get(name)
+        return BatchGuess(name, value, "option") if _is_count(value) else None
+    # `DataLoader(ds, batch_size=n)`: the variable behind a batch keyword counts whatever its name.
+    behind = {s.value.id for s in sites if s.name in BATCH_NAMES and isinstance(s.value, ast.Name)}
+    for names in ({*BATCH_NAMES[:-1], *behind}, set(BATCH_NAMES[-1:])):
+        for ref in _loads(tree, source):
+            if ref in names and _is_count(namespace_names.get(ref)):
+                return BatchGuess(ref, namespace_names[ref], "namespace")
+    return None
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 1
+
+
+def calls_with_keyword(source: str, keyword: str) -> tuple[str, ...]:
+    """The called names (``pipe``, ``model.generate``) of the calls that pass ``keyword``, in source order."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    found = [s.call for s in binding_sites(tree) if s.call is not None and s.name == keyword]
+    return tuple(dict.fromkeys(dotted_name(c.func) for c in found))
+
+
+def tokenizer_calls(source: str) -> tuple[str, ...]:
+    """The called names in the cell that look like tokenizer calls (``tokenizer(...)``,
+    ``tok.batch_encode_plus(...)``, ``processor(...)``): where ``truncation=True`` belongs."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    names = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        dotted = dotted_name(node.func)
+        last = dotted.rsplit(".", 1)[-1]
+        if _TOKENIZER.fullmatch(last) or (
+            last in ("encode", "encode_plus", "batch_encode_plus", "apply_chat_template")
+            and "." in dotted
+            and _TOKENIZER.fullmatch(dotted.rsplit(".", 2)[-2])
+        ):
+            names.append(dotted)
+    return tuple(dict.fromkeys(names))
+
+
+def names_read(source: str) -> set[str]:
+    """Names whose value from before the cell the cell reads: read on or before the line that first
+    assigns them (a name the cell builds afresh is not among them). Every identifier if the cell does not
+    parse, and every identifier on an IPython line masked away (``!cmd $x``), to stay on the safe side."""
+    parsed = parse_cell(source)
+    tree = parsed.tree
+    if tree is None:
+        return set(_IDENTIFIER.findall(source))
+    first_store: dict[str, int] = {}
+    loads: list[ast.Name] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            if isinstance(node.ctx, ast.Load):
+                loads.append(node)
+            else:
+                first_store[node.id] = min(first_store.get(node.id, node.lineno), node.lineno)
+    # Same line counts as a read: in `model = model.to(dev)` the right side runs first.
+    read = {n.id for n in loads if n.lineno <= first_store.get(n.id, n.lineno)}
+    return read.union(*(_IDENTIFIER.findall(line) for line in parsed.masked))
+
+
+def called_names(source: str) -> list[str]:
+    """The dotted names of every call in the cell, in source order (``model.generate``, ``Trainer``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return re.findall(r"([\w.]+)\s*\(", source)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    return [dotted_name(c.func) for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+_TRAINING_CALLS = frozenset({"backward", "train", "fit", "step", "training_step"})
+_TRAINER_TYPES = re.compile(r"\w*Trainer")
+
+
+def trains(source: str) -> bool:
+    """Whether the cell itself trains: calls ``.backward()``, ``.train()``, ``.fit()``, an optimizer's
+    ``.step()``, or builds a ``Trainer``. (A notebook function that trains is found by ``context``.)"""
+    for dotted in called_names(source):
+        last = dotted.rsplit(".", 1)[-1]
+        if ("." in dotted and last in _TRAINING_CALLS) or _TRAINER_TYPES.fullmatch(last) or last == "fit":
+            return True
+    return False
+
+
+def generates(source: str) -> bool:
+    """Whether the cell calls ``.generate(...)`` or builds a ``pipeline(...)``."""
+    return any(d.rsplit(".", 1)[-1] in ("generate", "pipeline") for d in called_names(source))
+
+
+def keyword_value(source: str, keyword: str, ints: dict[str, int] | None = None) -> int | None:
+    """The int passed as ``keyword=`` anywhere in the cell: a literal, or a name holding an int in
+    ``ints``. None where not passed or not readable."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for site in binding_sites(tree):
+        if site.name != keyword or site.call is None:
+            continue
+        value = int_literal(site.value)
+        if value is None and isinstance(site.value, ast.Name):
+            value = (ints or {}).get(site.value.id)
+        return value
+    return None
+
+
+def passes_true(source: str, keyword: str) -> bool:
+    """Whether some call in the cell passes ``keyword=`` something other than False/None/0."""
+    tree = tree_of(source)
+    if tree is None:
+        return bool(re.search(rf"\b{keyword}\s*=\s*(?!False\b|None\b|0\b)", source))
+    for site in binding_sites(tree):
+        if site.name == keyword and site.call is not None:
+            value = site.value
+            if not (isinstance(value, ast.Constant) and value.value in (False, None, 0)):
+                return True
+    return False
+
+
+def autocasts(source: str) -> bool:
+    """Whether the cell runs under autocast itself (``torch.autocast(...)``, ``bf16=True``/``fp16=True``)."""
+    if any(d.rsplit(".", 1)[-1] == "autocast" for d in called_names(source)):
+        return True
+    return passes_true(source, "bf16") or passes_true(source, "fp16")
+
+
+def checkpoints(source: str) -> bool:
+    """Whether the cell switches gradient checkpointing on itself."""
+    return passes_true(source, "gradient_checkpointing") or any(
+        d.endswith("gradient_checkpointing_enable") for d in called_names(source)
+    )
+
+
+def accumulation_name(source: str) -> str | None:
+    """The gradient-accumulation setting the cell names, if any."""
+    tree = tree_of(source)
+    names = {s.name for s in binding_sites(tree)} | set(_loads(tree, source)) if tree is not None else set()
+    return next((n for n in ACCUMULATION_NAMES if n in names), None)
+
+
+def generate_inputs(source: str) -> list[tuple[str, str | None]]:
+    """(name, key) of the inputs of the cell's first ``.generate(...)``: its first argument or its
+    ``input_ids=``/``inputs=`` (key None), or ``**encoding`` (key ``"input_ids"``). Names only: the caller
+    looks them up."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "generate"
+    ]
+    if not calls:
+        return []
+    node = min(calls, key=lambda c: (c.lineno, c.col_offset))
+    given = [*node.args[:1], *(k.value for k in node.keywords if k.arg in ("input_ids", "inputs"))]
+    spread = [k.value for k in node.keywords if k.arg is None]
+    pairs = [(e, None) for e in given] + [(e, "input_ids") for e in spread]
+    return [(e.id, key) for e, key in pairs if isinstance(e, ast.Name)]
+
+
+# A value kept in these forms holds no device memory and no graph.
+_DETACHED = (".item()", ".tolist()", ".numpy()")
+_NUMBER_CALLS = frozenset({"float", "int", "round", "len", "str", "bool"})
+
+
+@dataclass(frozen=True)
+class KeptSite:
+    """A statement in a loop that keeps a value across iterations: ``line`` (1-based), the statement as
+    written and as it could be (keeping a number or a detached CPU copy), and the span of the value."""
+
+    line: int
+    was: str
+    now: str
+    start: int
+    end: int
+    replacement: str
+
+
+def kept_sites(source: str, most: int = 3) -> list[KeptSite]:
+    """Each ``xs.append(v)`` in a loop of the cell, and each ``total += v`` with a loss, where ``v`` may
+    be a tensor: not already a number or a detached CPU copy."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    src = SourceText(source)
+    lines = source.split("\n")
+    found: dict[tuple[int, int], KeptSite] = {}
+    for loop in ast.walk(tree):
+        if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
+            continue
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                one = node.func.attr == "append" and len(node.args) == 1 and not node.keywords
+                value = node.args[0] if one else None
+            elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
+                value = node.value
+                if "loss" not in (src.segment(node) or ""):
+                    value = None
+            else:
+                value = None
+            if value is None or value.lineno != value.end_lineno or not _may_be_tensor(src, value):
+                continue
+            start, end = src.span(value)
+            text = source[start:end]
+            new = _detached(text)
+            line = lines[value.lineno - 1]
+            line_start = src.starts[value.lineno - 1]
+            now = line[: start - line_start] + new + line[end - line_start :]
+            found.setdefault(
+                (value.lineno, value.col_offset),
+                KeptSite(value.lineno, line.strip(), now.strip(), start, end, new),
+            )
+    return [found[k] for k in sorted(found)][:most]
+
+
+def _may_be_tensor(src: SourceText, value: ast.expr) -> bool:
+    if not isinstance(value, (ast.Name, ast.Attribute, ast.Subscript, ast.Call)):
+        return False
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in _NUMBER_CALLS:
+        return False
+    text = src.segment(value) or ""
+    return not (any(d in text for d in _DETACHED) or (".detach()" in text and ".cpu()" in text))
+
+
+def _detached(text: str) -> str:
+    """`loss` → `loss.item()`; `logits` → `logits.detach().cpu()`."""
+    for tail in (".detach()", ".cpu()"):
+        text = text.removesuffix(tail)
+    return text + (".item()" if "loss" in text.lower() else ".detach().cpu()")

@@ -1,0 +1,84 @@
+"""Recorders: what a cell did to memory, from the CUDA allocator's own trace (``cuda``) or, on CPU, from
+tensor storages tracked through a dispatch mode (``cpu``). Both give a ``Recording``; both restore what
+they changed.
+
+torch is imported inside functions so that ``import oommagic`` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...options import OptionError
+from .cpu import LEDGER, CpuRecorder, host_memory
+from .cuda import CUDA_TRACE_ENTRIES, CudaRecorder, cuda_timeline
+from .record import Recording, StepMarks
+
+__all__ = [
+    "CUDA_TRACE_ENTRIES",
+    "LEDGER",
+    "CpuRecorder",
+    "CudaRecorder",
+    "Recording",
+    "StepMarks",
+    "cuda_timeline",
+    "host_memory",
+    "open_recorder",
+]
+
+
+def open_recorder(
+    device: str | None, limit: float | int | None, timeline: bool = True
+) -> CpuRecorder | CudaRecorder:
+    """A recorder for ``device`` ("cpu", "cuda", "cuda:N", "N" or None = CUDA if available, else CPU);
+    ``timeline=False`` records the peak and the steps but no timeline between the start and the end.
+
+    ``limit`` is bytes (int) or a fraction of the capacity (float in (0, 1]). A byte limit at or above the
+    card's capacity is dropped with a warning. Raises ``ValueError`` for a device that does not exist.
+    """
+    import warnings
+
+    import torch
+
+    kind, index = _resolve_device(device, torch)
+    if kind == "cpu":
+        capacity = host_memory()
+        return CpuRecorder(_resolve_limit(limit, capacity, warnings, "this machine's memory"), timeline)
+    recorder = CudaRecorder(index, timeline=timeline)
+    recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
+    return recorder
+
+
+def _resolve_device(device: str | None, torch: Any) -> tuple[str, int]:
+    spec = (device or "").strip().lower()
+    if spec == "cpu":
+        return "cpu", 0
+    if not spec:
+        if torch.cuda.is_available():
+            return "cuda", torch.cuda.current_device()
+        return "cpu", 0
+    index_text = spec.removeprefix("cuda").lstrip(":") or "0"
+    if not index_text.isdigit():
+        raise OptionError(f"--device expects cpu, cuda, cuda:N or N, got {device!r}")
+    if not torch.cuda.is_available():
+        raise OptionError(f"--device {device}: CUDA is not available here (use --device cpu for CPU mode)")
+    index = int(index_text)
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise OptionError(f"--device {device}: this process sees {count} CUDA device(s), 0..{count - 1}")
+    return "cuda", index
+
+
+def _resolve_limit(limit: float | int | None, capacity: int, warnings: Any, what: str) -> int | None:
+    from ...sizes import format_bytes
+
+    if limit is None:
+        return None
+    nbytes = int(limit * capacity) if isinstance(limit, float) else int(limit)
+    if nbytes >= capacity:
+        warnings.warn(
+            f"--limit {format_bytes(nbytes)} is not below {what} ({format_bytes(capacity)}): no limit set",
+            stacklevel=3,
+        )
+        return None
+    return nbytes

@@ -1,0 +1,119 @@
+"""Hold the settings of the fixes in force while a run executes, and restore them when it ends.
+
+A fix is a ``Remedy`` (kind + params). Its change to the cell's source travels in the ``RunSpec``'s source;
+what it changes in the process (autocast, allocator settings, a hook, checkpointing switched on, a batch
+variable rebound) is held here by a context manager for exactly the length of the run and restored after
+it, also on KeyboardInterrupt. Fixes stack: every fix of ``applied`` is in force, in order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from ..diagnosis.findings import Remedy
+
+# Kinds whose whole effect is in the rewritten source: nothing to hold while the run executes.
+SOURCE_ONLY = frozenset(
+    {"max_new_tokens", "num_beams", "truncate", "keep_numbers", "no_grad", "eval_batch", "split_generate"}
+)
+
+
+@contextlib.contextmanager
+def in_force(applied: tuple[Remedy, ...], shell: Any, device: str) -> Iterator[None]:
+    """Every setting of ``applied`` held for the run, restored in reverse order after it."""
+    with contextlib.ExitStack() as stack:
+        for remedy in applied:
+            stack.enter_context(holding(remedy, shell, device))
+        yield
+
+
+def holding(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractContextManager:
+    """The context manager that holds ``remedy``'s setting (a null one where its change is in the source
+    or was done once, like freeing leftovers)."""
+    kind, params = remedy.kind, remedy.params
+    if kind == "batch" and params.get("where") in ("namespace", "option"):
+        return _rebound(shell.user_ns, params["name"], params["new"])
+    if kind == "autocast":
+        return _autocast(device, params.get("dtype", "bfloat16"))
+    if kind == "expandable_segments":
+        return _expandable_segments(device)
+    if kind == "empty_cache":
+        return _empty_cache_every_step()
+    if kind == "checkpointing" and remedy.new_source is None:
+        return _checkpointing(shell.user_ns, params.get("models") or [])
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _rebound(ns: dict, name: str, value: Any) -> Iterator[None]:
+    # The new value stays bound after the run: it is the batch in force until the fix is removed.
+    ns[name] = value
+    yield
+
+
+@contextlib.contextmanager
+def _autocast(device: str, dtype_name: str) -> Iterator[None]:
+    import torch
+
+    with torch.autocast(device_type=device.split(":")[0], dtype=getattr(torch, dtype_name)):
+        yield
+
+
+def allocator_settings(text: str) -> None:
+    """Change the caching allocator's settings in this live process (new segments follow them)."""
+    import torch
+
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is not None:
+        setter(text)
+    else:
+        torch.cuda.memory._set_allocator_settings(text)
+
+
+@contextlib.contextmanager
+def _expandable_segments(device: str) -> Iterator[None]:
+    # Switchable live (measured on an H200): segments created from now on are expandable.
+    if not device.startswith("cuda"):
+        yield
+        return
+    allocator_settings("expandable_segments:True")
+    try:
+        yield
+    finally:
+        allocator_settings("expandable_segments:False")
+
+
+@contextlib.contextmanager
+def _empty_cache_every_step() -> Iterator[None]:
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    def clear(*_: Any) -> None:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
+
+    handle = register_optimizer_step_post_hook(clear)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def _checkpointing(ns: dict, names: list[str]) -> Iterator[None]:
+    from ..diagnosis.context import checkpointing_enabled
+
+    switched = []
+    try:
+        for name in names:
+            model = ns.get(name)
+            able = model is not None and hasattr(model, "gradient_checkpointing_enable")
+            if able and not checkpointing_enabled(model):
+                model.gradient_checkpointing_enable()
+                switched.append(model)
+        yield
+    finally:
+        for model in switched:
+            model.gradient_checkpointing_disable()

@@ -1,0 +1,311 @@
+"""Measure the fix plan after an out-of-memory error: run the cell with each candidate fix as a bounded
+trial, search the micro-batch that fits where the batch is the knob, try combinations where no single
+fix is enough, and order what was measured (``diagnosis.plan``).
+
+A training trial stops once its steady-state peak is reached: after the optimizer has stepped twice (its
+state exists) and past the step where the original run failed. Other cells run whole. Every trial runs
+inside the time budget (``--plan-budget``; by default scaled from the failed run's own time), and leaves
+the user's model, optimizer, RNG and namespace as they were (``Session.trial``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+from ..cellrun import CellRun
+from ..diagnosis.findings import Remedy, figures
+from ..diagnosis.plan import DOES_NOT_FIT, FITS, NOT_MEASURED, FixPlan, PlanEntry, ordered, with_time_ratios
+from ..sizes import format_bytes
+from .batch_search import Trial, next_batch
+from .runner import Attempt, Bounds
+from .snapshot import SnapshotTooLarge
+
+# Kinds a trial cannot measure here: they act outside this process or need a restart.
+_UNTRIALED = frozenset({"other_gpu", "launch_blocking", "max_split_size", "multi_gpu", "offload"})
+# At most this many combinations (a fix that helped but not enough, plus a smaller batch).
+_COMBINATIONS = 2
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Trials collect garbage after each run; with everything that existed before them frozen out of the
+    collector's reach (it is alive, or was collected already), each collection only walks what the trial
+    made: ~0.3 s saved per trial on a heap with torch and transformers loaded."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def default_budget(session: Any, run: CellRun) -> float:
+    factor, least, most = session.budget_rule
+    return min(max(factor * run.wall_s, least), most)
+
+
+def candidates(run: CellRun) -> list[Remedy]:
+    """The automatic fixes the findings offer, in the diagnosis's order, one per kind."""
+    seen: dict[str, Remedy] = {}
+    for finding in run.findings:
+        for remedy in finding.remedies:
+            if remedy.automatic and remedy.kind not in seen:
+                seen[remedy.kind] = remedy
+    return list(seen.values())
+
+
+def unmeasured_plan(run: CellRun, why: str) -> FixPlan:
+    entries = [PlanEntry((r,), NOT_MEASURED, budget=run.budget, method=why) for r in candidates(run)]
+    return FixPlan(tuple(entries), summary=f"Not measured: {why}.", stopped=why == "stopped")
+
+
+def measure_plan(session: Any, run: CellRun) -> FixPlan:
+    """The plan for ``run`` (an out-of-memory run), measured within its time budget."""
+    budget_s = run.options.plan_budget
+    if budget_s is None:
+        budget_s = default_budget(session, run)
+    if budget_s <= 0 or not candidates(run):
+        return unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else "no automatic fix")
+    measure = _Measure(session, run, budget_s)
+    session.progress(
+        f"%%gpumem: measuring {len(candidates(run))} fixes in at most {budget_s:.0f} s (--plan-budget): "
+        "each trial re-runs the cell (its prints and files too) and puts your model, optimizer, RNG and "
+        "namespace back afterwards; interrupt the kernel to stop."
+    )
+    try:
+        with frozen_heap():
+            entries = measure.all()
+    except SnapshotTooLarge as err:
+        return replace(unmeasured_plan(run, "the state snapshot does not fit in host memory"), summary=str(err))
+    entries = with_time_ratios(entries, _step_time(run.recording.timeline.steps))
+    plan = FixPlan(
+        entries=ordered(entries),
+        budget_s=budget_s,
+        spent_s=time.perf_counter() - measure.t0,
+        trials=measure.trials,
+        snapshot_bytes=measure.snapshot_bytes,
+    )
+    return replace(plan, summary=_summary(plan, run), unfittable=_unfittable(plan, run))
+
+
+class _Measure:
+    def __init__(self, session: Any, run: CellRun, budget_s: float) -> None:
+        self.session = session
+        self.run = run
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + budget_s
+        self.trials = 0
+        self.snapshot_bytes = 0
+        self.budget = run.budget
+        self.margin = session.plan_margin
+        self.training = bool(run.context and run.context.training)
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def all(self) -> list[PlanEntry]:
+        found: list[PlanEntry] = []
+        singles = [r for r in candidates(self.run) if r.kind != "batch"]
+        batch = next((r for r in candidates(self.run) if r.kind == "batch"), None)
+        for remedy in singles:
+            found.append(self.entry((remedy,)))
+        if batch is not None:
+            found.append(self.batch_entry(()) or self.entry((batch,)))
+        if not any(e.verdict == FITS for e in found) and batch is not None:
+            helped = [e for e in found if e.verdict == DOES_NOT_FIT and e.fixes[0].kind != "batch"]
+            for e in helped[:_COMBINATIONS]:
+                combo = self.batch_entry(e.fixes)
+                if combo is not None:
+                    found.append(combo)
+                if combo is not None and combo.verdict == FITS:
+                    break
+        return found
+
+    # --- one trial ------------------------------------------------------------------------------------
+
+    def entry(self, fixes: tuple[Remedy, ...], steps_scale: float = 1.0) -> PlanEntry:
+        if any(r.kind in _UNTRIALED for r in fixes):
+            return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="cannot be tried in this process")
+        if self.left() <= 0:
+            return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="the time budget ran out")
+        bounds, method = self.bounds(fixes, steps_scale)
+        if bounds is None:
+            return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method=method)
+        self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in fixes)} …")
+        attempt = self.try_(fixes, bounds)
+        return self.judge(fixes, attempt, method)
+
+    def try_(self, fixes: tuple[Remedy, ...], bounds: Bounds) -> Attempt:
+        from .session import spec_with
+
+        self.trials += 1
+        spec = spec_with(self.run, fixes)
+        attempt = self.session.trial(spec, bounds)
+        self.snapshot_bytes = max(self.snapshot_bytes, self.session.last_snapshot_bytes)
+        return attempt
+
+    def bounds(self, fixes: tuple[Remedy, ...], steps_scale: float = 1.0) -> tuple[Bounds | None, str]:
+        limit = None
+        freed = sum(_freed(r, self.run) for r in fixes)
+        if freed:
+            # Freeing names cannot be undone after a trial: the trial keeps them and gets their bytes on
+            # top of the limit instead, which is the same room.
+            if self.run.limit is None:
+                return None, "an estimate: freeing cannot be tried without a limit to raise"
+            limit = self.run.limit + freed
+        if not self.training:
+            return Bounds(steps=None, seconds=self.left(), limit=limit), "trial: the whole cell"
+        # Past the step where the original run failed: a later, longer batch must be part of the trial.
+        done = len(self.run.recording.timeline.steps)
+        steps = max(1, math.ceil(done * steps_scale))
+        return Bounds(steps=steps, seconds=self.left(), limit=limit), f"trial: {steps} optimizer steps and a backward pass"
+
+    def judge(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
+        rec = attempt.recording
+        peak = rec.peak_reserved
+        entry = PlanEntry(fixes, budget=self.budget, peak=peak, method=method)
+        step = _step_time(rec.timeline.steps) or (attempt.wall_s if not self.training else None)
+        if attempt.outcome == "oom":
+            return replace(entry, verdict=DOES_NOT_FIT, seconds_per_step=step)
+        if attempt.outcome == "error":
+            return replace(entry, verdict=DOES_NOT_FIT, note=f"the cell failed with it: {attempt.error_text}")
+        if attempt.outcome == "stopped" and "time" in (attempt.stopped_by or ""):
+            return replace(entry, verdict=NOT_MEASURED, note=f"the time budget ran out after {attempt.steps} steps")
+        if self.training and attempt.outcome == "ok" and attempt.steps == 0:
+            return replace(entry, verdict=NOT_MEASURED, note="the cell ran no optimizer step")
+        note = ""
+        if self.budget and peak > self.budget * (1 - self.margin):
+            note = f"tight: {format_bytes(self.budget - peak)} to spare"
+        return replace(entry, verdict=FITS, seconds_per_step=step, note=note)
+
+    # --- the batch: probes, a line, a check -----------------------------------------------------------
+
+    def batch_entry(self, base: tuple[Remedy, ...]) -> PlanEntry | None:
+        """The largest micro-batch that fits with ``base`` in force, with accumulation keeping the
+        effective batch where it can be written, verified by a trial of exactly that cell."""
+        from ..diagnosis import remedies as fix
+        from ..diagnosis.rules import split_batch
+
+        ctx = self.run.context
+        guess = ctx.batch if ctx is not None else None
+        if guess is None or guess.value < 2 or not self.budget:
+            return None
+        fig = figures(self.run.report, ctx)
+        trials: list[Trial] = []
+
+        def probe(b: int) -> Trial:
+            remedy = fix.batch(ctx, fig, guess, b, 1)
+            bounds = Bounds(steps=1 if self.training else None, seconds=self.left())
+            self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in base)}"
+                                  f"{' + ' if base else ''}{guess.name}={b} (probe) …")
+            attempt = self.try_((*base, remedy), bounds)
+            fits = attempt.outcome in ("ok", "stopped") and "time" not in (attempt.stopped_by or "")
+            rec = attempt.recording
+            return Trial(b, fits, rec.peak_reserved, attempt.wall_s, "probe", rec.peak_allocated)
+
+        b = max(1, min(guess.value // 2, _first_probe(fig, guess.value)))
+        while self.left() > 0:
+            trials.append(probe(b))
+            if trials[-1].fits or b == 1:
+                break
+            b = max(1, b // 2)
+        while self.left() > 0 and len(trials) < 8:
+            nxt = next_batch(trials, self.budget, margin=self.session.search_margin)
+            if nxt is None or nxt >= guess.value:
+                break
+            trials.append(probe(nxt))
+        best = max((t.batch for t in trials if t.fits), default=None)
+        if best is None:
+            last = trials[-1] if trials else None
+            return PlanEntry(
+                (*base, fix.batch(ctx, fig, guess, max(1, b), 1)),
+                DOES_NOT_FIT if last is not None else NOT_MEASURED,
+                peak=last.peak_reserved if last else None,
+                budget=self.budget,
+                method=f"{len(trials)} probes",
+                note=f"not even {guess.name}={b} fits" if last is not None else "",
+            )
+        new, acc = split_batch(guess.value, best, self.training)
+        if acc > 1:
+            # Accumulating micro-batches keep the gradients between backward passes, which a probe (whose
+            # zero_grad freed them) did not: leave room for them.
+            grads = sum(m.trainable_bytes or 0 for m in ctx.models if m.is_training)
+            safe = _largest_within(trials, self.budget * (1 - self.margin) - grads)
+            new, acc = split_batch(guess.value, max(1, min(best, safe if safe is not None else best)), True)
+        remedy = fix.batch(ctx, fig, guess, new, acc)
+        scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
+        entry = self.entry((*base, remedy), steps_scale=scale)
+        probes = f"{len(trials)} probes, a fit"
+        return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
+
+
+def _largest_within(trials: list[Trial], room: float) -> int | None:
+    """The largest batch whose peak the line through the fitting trials puts within ``room`` bytes; with
+    one fitting trial, the same share of its batch (the fixed part counted as growing: on the safe side)."""
+    from .batch_search import fit_line
+
+    line = fit_line(trials)
+    if line is not None and line[1] > 0:
+        return math.floor((room - line[0]) / line[1])
+    fitting = [t for t in trials if t.fits]
+    if not fitting:
+        return None
+    top = max(fitting, key=lambda t: t.batch)
+    return math.floor(top.batch * room / max(top.peak_reserved, 1))
+
+
+def _first_probe(fig: Any, old: int) -> int:
+    """A first micro-batch from the figures: what the room left by the fixed part holds at the per-sample
+    rate read at the failure (a lower bound, so halved), at most half the batch."""
+    if fig.activations and fig.available is not None and fig.available > fig.fixed:
+        per_sample = fig.activations / old
+        return max(1, int((fig.available - fig.fixed) / per_sample / 2))
+    return max(1, old // 4)
+
+
+def _freed(remedy: Remedy, run: CellRun) -> int:
+    if remedy.kind != "free_leftovers" or run.context is None:
+        return 0
+    names = set(remedy.params.get("names", []))
+    return sum(x.bytes for x in run.context.leftovers if x.name in names)
+
+
+def _step_time(steps: tuple[float, ...]) -> float | None:
+    """Seconds of the last full optimizer step of a recording (None with fewer than two steps)."""
+    return steps[-1] - steps[-2] if len(steps) >= 2 else None
+
+
+def _summary(plan: FixPlan, run: CellRun) -> str:
+    best = plan.recommended
+    head = (
+        f"{best.title} fits ({best.line()})."
+        if best is not None
+        else "No fix measured here fits."
+    )
+    return (
+        f"{head} {plan.trials} trials in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget; the model, "
+        f"optimizer, RNG and namespace were restored after each"
+        + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")
+    )
+
+
+def _unfittable(plan: FixPlan, run: CellRun) -> str:
+    """Where nothing fits: how much the cell needs by the figures, and the budget it does not fit."""
+    if plan.recommended is not None or any(e.verdict == NOT_MEASURED for e in plan.entries):
+        return ""
+    smallest = min((e.peak for e in plan.entries if e.peak), default=None)
+    budget = format_bytes(run.budget) if run.budget else "the card"
+    growth = next((f for f in run.findings if f.key == "growth"), None)
+    if growth is not None and run.context is not None:
+        return (
+            f"The cell keeps growing ({growth.evidence.split(':')[0].lower()}); no setting it knows makes it "
+            f"fit {budget}."
+        )
+    need = f"; with every fix tried it still needed more than {format_bytes(smallest)}" if smallest else ""
+    return f"No fix it knows makes this cell fit {budget}{need}."

@@ -1,0 +1,241 @@
+"""Run a cell's source through the IPython shell under a recorder: the one place that knows how a run is
+measured, how an out-of-memory error is caught and how its memory is given back.
+
+``execute`` returns an ``Attempt`` (what happened, the recording, the namespace as it was at a failure); it
+keeps no history and shows nothing: ``session`` turns attempts into ``CellRun``s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..diagnosis.context import NamespaceScan
+from ..diagnosis.findings import Remedy
+from ..oom import OOMReport, is_oom, parse_oom
+from ..options import Options
+from ..timeline import Recording
+from .release import drop_bound_by_cell, free_failed_cell
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What to run: the source (with the rewrites of ``applied`` in it), the options, the fixes in force
+    in the order they were applied, and where the run belongs in the notebook."""
+
+    source: str
+    options: Options = field(default_factory=Options)
+    applied: tuple[Remedy, ...] = ()
+    cell_id: str | None = None
+    execution_count: int | None = None
+    parent: str | None = None
+    original: str | None = None  # the cell as the person wrote it (None: ``source``)
+
+    @property
+    def written(self) -> str:
+        return self.source if self.original is None else self.original
+
+
+class TrialStop(Exception):
+    """Ends a bounded trial early on purpose: its steady-state peak was reached, or its time ran out."""
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """How far a trial runs: until the first backward pass after ``steps`` optimizer steps (the
+    optimizer's state exists by then, so the step's peak is the steady one; None: the whole cell), or
+    until ``seconds`` have passed. ``limit`` overrides the options' limit (bytes)."""
+
+    steps: int | None = 1
+    seconds: float | None = None
+    limit: int | None = None
+
+
+@dataclass
+class Attempt:
+    """One execution of a cell: ``outcome`` is ok / oom / error / interrupted, or ``stopped`` for a trial
+    that reached its bounds without running out. ``error`` is a non-OOM exception for the magic to
+    re-raise; ``scan`` the namespace as the failure left it (before anything was dropped)."""
+
+    recording: Recording
+    outcome: str = "ok"
+    report: OOMReport | None = None
+    error: BaseException | None = None
+    error_text: str | None = None
+    freed: int | None = None
+    dropped: list[tuple[str, int]] = field(default_factory=list)
+    scan: NamespaceScan | None = None
+    started: float = 0.0
+    wall_s: float = 0.0
+    steps: int = 0
+    stopped_by: str | None = None
+
+
+class _Catch:
+    """An IPython custom-exception handler for the nested run: every exception is kept, not printed (an
+    out-of-memory error gets the report instead of a traceback; any other is re-raised by the magic, so
+    the cell fails with it and IPython shows its traceback once)."""
+
+    def __init__(self, shell: Any) -> None:
+        self.shell = shell
+        self.exc: BaseException | None = None
+        self._saved = (shell.custom_exceptions, shell.CustomTB)
+
+    def handler(self, shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> Any:
+        self.exc = value
+        return None
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[_Catch]:
+        self.shell.set_custom_exc((Exception,), self.handler)
+        try:
+            yield self
+        finally:
+            self.shell.custom_exceptions, self.shell.CustomTB = self._saved
+
+
+def cell_id(shell: Any) -> str | None:
+    """The notebook cell id JupyterLab sends with an execute request (None outside a kernel)."""
+    kernel = getattr(shell, "kernel", None)
+    try:
+        parent = kernel.get_parent() if kernel is not None else None
+    except Exception:
+        return None
+    return (parent or {}).get("metadata", {}).get("cellId")
+
+
+def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool = True) -> Attempt:
+    """Run ``spec.source`` in ``shell`` under a recorder, with ``spec.applied``'s settings in force.
+
+    An out-of-memory error is caught, the namespace read (``scan``), its memory given back (frames, and the
+    names the cell bound to device memory unless ``--keep``) and its figures parsed into ``report``; a trial
+    (``scan=False``) leaves the final collection to its caller. Any
+    other exception is kept in ``error``. ``bounds`` makes it a trial that stops at its steady state. A
+    KeyboardInterrupt stops the run after every setting is restored (outcome ``interrupted``: the caller
+    re-raises it once the run is recorded).
+    """
+    from ..diagnosis.context import scan_namespace
+    from .capture import open_recorder
+    from .fixes import in_force
+
+    options = spec.options
+    limit = bounds.limit if bounds is not None and bounds.limit is not None else options.limit
+    recorder = open_recorder(options.device, limit, timeline=options.timeline)
+    catch = _Catch(shell)
+    ids_before = {name: id(value) for name, value in shell.user_ns.items()}
+    attempt = Attempt(recording=Recording(device=recorder.device), started=time.time())
+    held_at_failure = None
+    interrupted = False
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(recorder)
+        stack.enter_context(catch.installed())
+        stack.enter_context(in_force(spec.applied, shell, recorder.device))
+        counter = stack.enter_context(_bounded(bounds))
+        t0 = time.perf_counter()
+        result = None
+        try:
+            result = shell.run_cell(spec.source, store_history=False)
+        except KeyboardInterrupt:
+            interrupted = True
+        attempt.wall_s = time.perf_counter() - t0
+        attempt.steps = counter.steps
+        exc, catch.exc = catch.exc, None
+        if result is not None and exc is not None and result.error_in_exec is exc:
+            result.error_in_exec = None
+        if isinstance(exc, TrialStop):
+            attempt.outcome, attempt.stopped_by = "stopped", str(exc)
+            free_failed_cell(shell, exc, recorder.device, then_collect=scan)
+        elif exc is not None and is_oom(exc):
+            held_at_failure = recorder.allocated()
+            attempt.outcome = "oom"
+            attempt.report = _report(exc, recorder.exact)
+            if scan:
+                attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec)
+            if not options.keep:
+                attempt.dropped = drop_bound_by_cell(shell.user_ns, ids_before, recorder.device)
+            # A trial (no scan) is collected once by its caller, after the user's state is put back.
+            free_failed_cell(shell, exc, recorder.device, then_collect=scan)
+        elif exc is not None:
+            attempt.outcome, attempt.error = "error", exc
+            attempt.error_text = f"{type(exc).__name__}: {_message(exc)}"
+        elif result is not None and isinstance(result.error_in_exec, KeyboardInterrupt):
+            interrupted = True
+        del exc
+        if interrupted:
+            attempt.outcome = "interrupted"
+    attempt.recording = recorder.recording()
+    if held_at_failure is not None:
+        attempt.freed = max(held_at_failure - attempt.recording.after_allocated, 0)
+    return attempt
+
+
+class _StepCounter:
+    def __init__(self) -> None:
+        self.steps = 0
+
+
+@contextlib.contextmanager
+def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
+    """Count optimizer steps; with ``bounds``, end the run by ``TrialStop`` at the first backward pass
+    after that many steps (raised once the backward pass completed, so its peak is recorded) or once its
+    time is up (at the next torch call)."""
+    counter = _StepCounter()
+    if bounds is None:
+        yield counter
+        return
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from torch.overrides import TorchFunctionMode
+
+    deadline = time.perf_counter() + bounds.seconds if bounds.seconds else None
+
+    def after_step(*_: Any) -> None:
+        counter.steps += 1
+
+    class Bounded(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if deadline is not None and time.perf_counter() > deadline:
+                raise TrialStop(f"time budget of {bounds.seconds:.0f} s reached")
+            out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.backward and bounds.steps is not None and counter.steps >= bounds.steps:
+                raise TrialStop(f"steady state: a backward pass after {counter.steps} optimizer steps")
+            return out
+
+    handle = register_optimizer_step_post_hook(after_step)
+    try:
+        with Bounded():
+            yield counter
+    finally:
+        handle.remove()
+
+
+def _scan(scan_namespace: Any, namespace: dict, device: str, spec: RunSpec) -> NamespaceScan | None:
+    try:
+        return scan_namespace(namespace, device, spec.source, tuple(r.kind for r in spec.applied))
+    except Exception as err:  # a diagnosis bug must not hide the report itself
+        print(f"%%gpumem: reading the namespace failed ({type(err).__name__}: {err}); the figures stand")
+        return None
+
+
+def _report(exc: BaseException, exact: dict[str, int]) -> OOMReport:
+    """The parsed message, with the recorder's exact byte counts where the message rounds them."""
+    from dataclasses import replace
+
+    text = _message(exc)
+    report = parse_oom(text)
+    if report is None:
+        return OOMReport(text=text, source="unknown")
+    if exact and (report.emulated or report.source == "allocator"):
+        fields = {k: v for k, v in exact.items() if getattr(report, k) is not None or report.emulated}
+        report = replace(report, **fields)
+    return report
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return repr(type(exc))

@@ -1,0 +1,236 @@
+"""The one owner of "after a run": ``Session.run``, ``retry``, ``remove`` and ``search`` each execute the
+cell, build its ``CellRun`` once, append it to the history and publish it to the sidebar.
+
+The magic and every widget button call a ``Session``; the views render what it returns. One session per
+IPython shell (``session_for``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from ..cellrun import CellRun
+from ..diagnosis.findings import Remedy
+from .runner import Attempt, Bounds, RunSpec, execute
+
+
+class Session:
+    """The ``%%gpumem`` runs of one shell, and the actions that make new ones.
+
+    ``publish`` is called with each new run (the comm to the sidebar by default); ``progress`` receives
+    one line at a time while a plan or a search runs trials.
+    """
+
+    def __init__(self, shell: Any, publish: Callable[[CellRun], None] | None = None) -> None:
+        self.shell = shell
+        self.history: list[CellRun] = []
+        self._publish = publish
+        self.progress: Callable[[str], None] = _print_progress
+        self.plan_margin = 0.05
+        self.search_margin = 0.02
+        self.trace_entries: int | None = None
+        # (factor, least, most): the default plan budget is factor x the failed run's time, within bounds.
+        self.budget_rule = (8.0, 20.0, 300.0)
+        self._errors: dict[str, BaseException] = {}
+        self.last_snapshot_bytes = 0
+
+    # --- the actions ----------------------------------------------------------------------------------
+
+    def run(self, spec: RunSpec) -> CellRun:
+        """Run ``spec`` once; after an out-of-memory error, diagnose it and measure the fix plan."""
+        attempt = execute(self.shell, spec)
+        run = self._build(spec, attempt)
+        if run.outcome == "oom" and run.findings:
+            run = replace(run, plan=self._plan(run))
+        self._record(run, attempt)
+        if run.outcome == "interrupted":
+            raise KeyboardInterrupt
+        return run
+
+    def retry(self, run: CellRun, fixes: Remedy | tuple[Remedy, ...]) -> CellRun:
+        """Run ``run``'s cell again with ``fixes`` (one remedy or a plan entry's combination) stacked on
+        the fixes already in force."""
+        fixes = (fixes,) if isinstance(fixes, Remedy) else tuple(fixes)
+        for remedy in fixes:
+            if not remedy.automatic:
+                raise ValueError(
+                    f"{remedy.title}: not something a retry can apply; the snippet shows how to do it"
+                )
+        for remedy in fixes:
+            if remedy.kind == "free_leftovers":
+                from .release import free_names
+
+                free_names(self.shell.user_ns, remedy.params.get("names", []), measure=lambda: 0)
+        return self.run(spec_with(run, fixes))
+
+    def remove(self, run: CellRun, index: int) -> CellRun:
+        """Run ``run``'s cell again without the fix at ``index`` of ``run.applied`` (the others stay)."""
+        from ..diagnosis.remedies import reapply
+
+        kept = run.applied[:index] + run.applied[index + 1 :]
+        source = run.original or run.source
+        for remedy in kept:
+            source = reapply(source, remedy, run.context.helpers if run.context else ())
+        undone = run.applied[index]
+        if undone.kind == "batch" and undone.params.get("where") != "source":
+            self.shell.user_ns[undone.params["name"]] = undone.params["old"]
+        spec = RunSpec(
+            source=source,
+            options=run.options,
+            applied=kept,
+            cell_id=run.cell_id,
+            execution_count=run.execution_count,
+            parent=run.id,
+            original=run.original,
+        )
+        return self.run(spec)
+
+    def search(self, run: CellRun, name: str) -> Any:
+        """Search the largest ``name`` that fits (``%%gpumem --find-batch``) for ``run``'s cell, with its
+        fixes in force; every probe leaves the user's state as it was."""
+        from .batch_search import find_batch
+
+        return find_batch(self, spec_of(run), name)
+
+    def trial(self, spec: RunSpec, bounds: Bounds | None = None) -> Attempt:
+        """Run ``spec`` as a trial: bounded, quiet, recorded nowhere, and the user's state put back after
+        (model, optimizer, RNG, namespace), also on KeyboardInterrupt."""
+        from IPython.utils.capture import capture_output
+
+        from .release import collect
+        from .snapshot import UserState
+
+        ns = self.shell.user_ns
+        saved = UserState.take(ns, spec.options.device or "") if not spec.options.no_snapshot else None
+        self.last_snapshot_bytes = saved.nbytes if saved is not None else 0
+        try:
+            with capture_output():
+                attempt = execute(self.shell, spec, bounds=bounds, scan=False)
+        finally:
+            if saved is not None:
+                saved.restore(ns)
+            collect(spec.options.device)
+        if attempt.outcome == "interrupted":
+            raise KeyboardInterrupt
+        return attempt
+
+    # --- building the record --------------------------------------------------------------------------
+
+    def _build(self, spec: RunSpec, attempt: Attempt) -> CellRun:
+        context, findings = None, ()
+        if attempt.scan is not None:
+            from ..diagnosis.context import make_context
+            from ..diagnosis.rules import diagnose
+
+            try:
+                context = make_context(
+                    spec.source,
+                    attempt.recording,
+                    attempt.report,
+                    attempt.scan,
+                    batch_name=spec.options.batch,
+                    applied=tuple(r.kind for r in spec.applied),
+                    dropped=[name for name, _ in attempt.dropped],
+                )
+                findings = tuple(diagnose(attempt.report, context))
+            except Exception as err:  # a diagnosis bug must not hide the report itself
+                print(f"%%gpumem: the diagnosis failed ({type(err).__name__}: {err}); the figures stand")
+        return CellRun(
+            source=spec.source,
+            recording=attempt.recording,
+            options=spec.options,
+            applied=spec.applied,
+            outcome=attempt.outcome,
+            report=attempt.report,
+            error=attempt.error_text,
+            freed=attempt.freed,
+            dropped=tuple(attempt.dropped),
+            context=context,
+            findings=findings,
+            execution_count=spec.execution_count,
+            cell_id=spec.cell_id,
+            started=attempt.started,
+            wall_s=attempt.wall_s,
+            parent=spec.parent,
+            original=spec.original,
+        )
+
+    def _plan(self, run: CellRun) -> Any:
+        from .plan import measure_plan
+
+        try:
+            return measure_plan(self, run)
+        except KeyboardInterrupt:
+            self.progress("plan stopped: the fixes below are not measured")
+            from .plan import unmeasured_plan
+
+            return unmeasured_plan(run, "stopped")
+
+    def pending_error(self, run: CellRun) -> BaseException | None:
+        """The exception ``run``'s cell raised (not an out-of-memory error), handed over once: the magic
+        re-raises it so the cell fails with its own type and traceback."""
+        return self._errors.pop(run.id, None)
+
+    def _record(self, run: CellRun, attempt: Attempt) -> CellRun:
+        if attempt.error is not None:
+            self._errors[run.id] = attempt.error
+        self.history.append(run)
+        if self._publish is not None:
+            with contextlib.suppress(Exception):
+                self._publish(run)
+        return run
+
+
+def spec_of(run: CellRun) -> RunSpec:
+    """The spec that runs ``run``'s cell again as it ran (same source, options and fixes)."""
+    return RunSpec(
+        source=run.source,
+        options=run.options,
+        applied=run.applied,
+        cell_id=run.cell_id,
+        execution_count=run.execution_count,
+        parent=run.id,
+        original=run.original or run.source,
+    )
+
+
+def spec_with(run: CellRun, fixes: tuple[Remedy, ...]) -> RunSpec:
+    """The spec that runs ``run``'s cell with ``fixes`` added to those already in force: each rewrite made
+    on the source as the ones before it left it, each setting held during the run."""
+    from ..diagnosis.remedies import reapply
+
+    source = run.source
+    helpers = run.context.helpers if run.context is not None else ()
+    for i, remedy in enumerate(fixes):
+        source = remedy.new_source if i == 0 and remedy.new_source else reapply(source, remedy, helpers)
+    return replace(spec_of(run), source=source, applied=(*run.applied, *fixes))
+
+
+def _print_progress(line: str) -> None:
+    print(line, flush=True)
+
+
+_SESSIONS: dict[int, Session] = {}
+
+
+def session_for(shell: Any) -> Session:
+    """The session of ``shell`` (made on first use; its runs go to the sidebar through the comm)."""
+    session = _SESSIONS.get(id(shell))
+    if session is None or session.shell is not shell:
+        from .. import comm
+
+        session = Session(shell)
+        session._publish = lambda run, s=session: comm.publish(run, s.history)
+        _SESSIONS[id(shell)] = session
+    return session
+
+
+def history() -> list[CellRun]:
+    """Every ``%%gpumem`` run of this kernel's shell, oldest first (the live list)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return session_for(shell).history if shell is not None else []
