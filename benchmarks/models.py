@@ -152,7 +152,7 @@ def memory_limit(device: str, limit: int | None) -> Iterator[Held]:
             held.peak_allocated = torch.cuda.max_memory_allocated(index)
             torch.cuda.set_per_process_memory_fraction(old, index)
     else:
-        from oommagic.capture import CpuRecorder
+        from oommagic.run.capture import CpuRecorder
 
         recorder = CpuRecorder(limit)
         try:

@@ -61,7 +61,7 @@ def figures(device: str, base: tuple[int, int], size: int, ref) -> tuple[int, in
 def attempt(shell, approach: str, device: str, size: int, huge: int, limit: str) -> dict:
     from IPython.utils.capture import capture_output
 
-    from oommagic.release import free_failed_cell
+    from oommagic.run.release import free_failed_cell
 
     empty_cache(device)
     base = (

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import report
 import torch
 
-from oommagic.capture import CUDA_TRACE_ENTRIES
+from oommagic.run.capture import CUDA_TRACE_ENTRIES
 
 
 def loop(n: int, device: str) -> float:

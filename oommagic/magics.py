@@ -52,7 +52,7 @@ class GpuMemMagics(Magics):
         help="Default time budget of the fix plan's trials, as a multiple of the failed run's own time "
         "(within plan_budget_min and plan_budget_max); --plan-budget overrides it.",
     ).tag(config=True)
-    plan_budget_min = Float(20.0, help="Least default time budget of the fix plan, in seconds.").tag(
+    plan_budget_min = Float(30.0, help="Least default time budget of the fix plan, in seconds.").tag(
         config=True
     )
     plan_budget_max = Float(300.0, help="Most default time budget of the fix plan, in seconds.").tag(

@@ -20,11 +20,12 @@ TIMEOUT = 60
 
 PUBLISH = textwrap.dedent(
     """
-    from oommagic import cellrun, comm
-    run = cellrun.CellRun(source="x = 1", device="cpu", outcome="ok", peak_allocated=4096,
-                          cell_id="cell-a", execution_count=3, id={run_id!r}, parent={parent!r})
-    cellrun.history().append(run)
-    comm.publish(run)
+    import oommagic
+    from oommagic import cellrun, comm, timeline
+    run = cellrun.CellRun(source="x = 1", recording=timeline.Recording("cpu", peak_allocated=4096),
+                          outcome="ok", cell_id="cell-a", execution_count=3, id={run_id!r}, parent={parent!r})
+    oommagic.history().append(run)
+    comm.publish(run, oommagic.history())
     """
 )
 
@@ -152,11 +153,10 @@ def test_publish_outside_a_kernel_sends_nothing_and_imports_no_ipykernel() -> No
     script = textwrap.dedent(
         """
         import sys
-        from oommagic import cellrun, comm
-        run = cellrun.CellRun(source="x = 1", device="cpu")
-        cellrun.history().append(run)
-        comm.publish(run)
-        comm.publish(run)
+        from oommagic import cellrun, comm, timeline
+        run = cellrun.CellRun(source="x = 1", recording=timeline.Recording("cpu"))
+        comm.publish(run, [run])
+        comm.publish(run, [run])
         print("ipykernel" in sys.modules)
         """
     )

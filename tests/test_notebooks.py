@@ -12,10 +12,10 @@ from test_kernel import ROOT, execute, texts
 pytest.importorskip("transformers")
 
 EXPECTED = {
-    "finetune_oom": ["Batch 32 → ", "-> ok"],
+    "finetune_oom": ["Batch 32 → ", "accumulate", "-> ok", "Gradient checkpointing"],
     "generation_oom": ["-> ok"],
     "dataset_lengths": ["ok ", "above"],
-    "monitoring": ["Free cache, features", "-> ok | cache still defined: False"],
+    "monitoring": ["Free cache, features", "| fits", "-> ok | cache still defined: False"],
 }
 
 
@@ -27,7 +27,7 @@ def test_scenario_notebook_runs_and_its_fix_fits(name):
         assert expected in shown, f"{name}: {expected!r} not in the outputs"
     oom_cells = [c for c in nb.cells if "raises-exception" in c.get("metadata", {}).get("tags", [])]
     for cell in oom_cells:
-        assert any(o.output_type == "error" and o.ename == "CellOutOfMemory" for o in cell.outputs)
+        assert any(o.output_type == "error" and o.ename == "OutOfMemoryError" for o in cell.outputs)
     assert nb.metadata.get("widgets"), "widget state is stored"
 
 

@@ -173,7 +173,7 @@ def find_batch(session: Any, spec: Any, name: str) -> BatchSearch:
         return result
 
     print(f"%%gpumem --find-batch {name} (starting from {start})", flush=True)
-    from .plan import frozen_heap
+    from .release import frozen_heap
 
     with frozen_heap():
         _search(search, trial, start, session.search_margin)

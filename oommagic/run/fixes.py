@@ -10,14 +10,42 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
+from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
+from .spec import RunSpec
 
 # Kinds whose whole effect is in the rewritten source: nothing to hold while the run executes.
 SOURCE_ONLY = frozenset(
     {"max_new_tokens", "num_beams", "truncate", "keep_numbers", "no_grad", "eval_batch", "split_generate"}
 )
+
+
+def spec_of(run: CellRun) -> RunSpec:
+    """The spec that runs ``run``'s cell again as it ran (same source, options and fixes)."""
+    return RunSpec(
+        source=run.source,
+        options=run.options,
+        applied=run.applied,
+        cell_id=run.cell_id,
+        execution_count=run.execution_count,
+        parent=run.id,
+        original=run.original or run.source,
+    )
+
+
+def spec_with(run: CellRun, fixes: tuple[Remedy, ...]) -> RunSpec:
+    """The spec that runs ``run``'s cell with ``fixes`` added to those already in force: each rewrite made
+    on the source as the ones before it left it, each setting held during the run."""
+    from ..diagnosis.remedies import reapply
+
+    source = run.source
+    helpers = run.context.helpers if run.context is not None else ()
+    for i, remedy in enumerate(fixes):
+        source = remedy.new_source if i == 0 and remedy.new_source else reapply(source, remedy, helpers)
+    return replace(spec_of(run), source=source, applied=(*run.applied, *fixes))
 
 
 @contextlib.contextmanager

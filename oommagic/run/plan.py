@@ -10,11 +10,8 @@ the user's model, optimizer, RNG and namespace as they were (``Session.trial``).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +20,8 @@ from ..diagnosis.findings import Remedy, figures
 from ..diagnosis.plan import DOES_NOT_FIT, FITS, NOT_MEASURED, FixPlan, PlanEntry, ordered, with_time_ratios
 from ..sizes import format_bytes
 from .batch_search import Trial, next_batch
+from .fixes import spec_with
+from .release import frozen_heap
 from .runner import Attempt, Bounds
 from .snapshot import SnapshotTooLarge
 
@@ -30,19 +29,6 @@ from .snapshot import SnapshotTooLarge
 _UNTRIALED = frozenset({"other_gpu", "launch_blocking", "max_split_size", "multi_gpu", "offload"})
 # At most this many combinations (a fix that helped but not enough, plus a smaller batch).
 _COMBINATIONS = 2
-
-
-@contextlib.contextmanager
-def frozen_heap() -> Iterator[None]:
-    """Trials collect garbage after each run; with everything that existed before them frozen out of the
-    collector's reach (it is alive, or was collected already), each collection only walks what the trial
-    made: ~0.3 s saved per trial on a heap with torch and transformers loaded."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def default_budget(session: Any, run: CellRun) -> float:
@@ -129,12 +115,16 @@ class _Measure:
 
     # --- one trial ------------------------------------------------------------------------------------
 
-    def entry(self, fixes: tuple[Remedy, ...], steps_scale: float = 1.0) -> PlanEntry:
+    def entry(
+        self, fixes: tuple[Remedy, ...], steps_scale: float = 1.0, bounds: Bounds | None = None
+    ) -> PlanEntry:
         if any(r.kind in _UNTRIALED for r in fixes):
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="cannot be tried in this process")
         if self.left() <= 0:
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="the time budget ran out")
-        bounds, method = self.bounds(fixes, steps_scale)
+        method = ""
+        if bounds is None:
+            bounds, method = self.bounds(fixes, steps_scale)
         if bounds is None:
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method=method)
         self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in fixes)} …")
@@ -142,8 +132,6 @@ class _Measure:
         return self.judge(fixes, attempt, method)
 
     def try_(self, fixes: tuple[Remedy, ...], bounds: Bounds) -> Attempt:
-        from .session import spec_with
-
         self.trials += 1
         spec = spec_with(self.run, fixes)
         attempt = self.session.trial(spec, bounds)
@@ -177,6 +165,8 @@ class _Measure:
             return replace(entry, verdict=DOES_NOT_FIT, note=f"the cell failed with it: {attempt.error_text}")
         if attempt.outcome == "stopped" and "time" in (attempt.stopped_by or ""):
             return replace(entry, verdict=NOT_MEASURED, note=f"the time budget ran out after {attempt.steps} steps")
+        if attempt.outcome == "stopped" and "backward passes" in (attempt.stopped_by or ""):
+            return replace(entry, verdict=NOT_MEASURED, seconds_per_step=step, note=attempt.stopped_by or "")
         if self.training and attempt.outcome == "ok" and attempt.steps == 0:
             return replace(entry, verdict=NOT_MEASURED, note="the cell ran no optimizer step")
         note = ""
@@ -239,9 +229,19 @@ class _Measure:
             safe = _largest_within(trials, self.budget * (1 - self.margin) - grads)
             new, acc = split_batch(guess.value, max(1, min(best, safe if safe is not None else best)), True)
         remedy = fix.batch(ctx, fig, guess, new, acc)
+        probes = f"{len(trials)} probes"
+        if remedy.params.get("accumulate", 1) > 1 and self.training:
+            # The probes measured the micro-batch's steady state (optimizer state included) and the choice
+            # keeps room for the gradients accumulating between steps; the rewritten cell itself then runs
+            # two micro-batches with its accumulation, so a rewrite that breaks the cell shows here.
+            fitted = min((t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None)
+            entry = self.entry((*base, remedy), bounds=Bounds(steps=None, backwards=2, seconds=self.left()))
+            if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
+                entry = replace(entry, verdict=FITS, note="")
+            how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
+            return replace(entry, method=f"{how}; the rewritten cell ran 2 micro-batches")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         entry = self.entry((*base, remedy), steps_scale=scale)
-        probes = f"{len(trials)} probes, a fit"
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
 
 

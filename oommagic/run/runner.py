@@ -14,29 +14,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..diagnosis.context import NamespaceScan
-from ..diagnosis.findings import Remedy
 from ..oom import OOMReport, is_oom, parse_oom
-from ..options import Options
 from ..timeline import Recording
 from .release import drop_bound_by_cell, free_failed_cell
+from .spec import RunSpec
 
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What to run: the source (with the rewrites of ``applied`` in it), the options, the fixes in force
-    in the order they were applied, and where the run belongs in the notebook."""
-
-    source: str
-    options: Options = field(default_factory=Options)
-    applied: tuple[Remedy, ...] = ()
-    cell_id: str | None = None
-    execution_count: int | None = None
-    parent: str | None = None
-    original: str | None = None  # the cell as the person wrote it (None: ``source``)
-
-    @property
-    def written(self) -> str:
-        return self.source if self.original is None else self.original
+__all__ = ["Attempt", "Bounds", "RunSpec", "TrialStop", "cell_id", "execute"]
 
 
 class TrialStop(Exception):
@@ -52,6 +35,7 @@ class Bounds:
     steps: int | None = 1
     seconds: float | None = None
     limit: int | None = None
+    backwards: int | None = None  # or stop after this many backward passes, whatever the steps
 
 
 @dataclass
@@ -195,13 +179,20 @@ def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
     def after_step(*_: Any) -> None:
         counter.steps += 1
 
+    backwards = 0
+
     class Bounded(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if deadline is not None and time.perf_counter() > deadline:
                 raise TrialStop(f"time budget of {bounds.seconds:.0f} s reached")
+            nonlocal backwards
             out = func(*args, **(kwargs or {}))
-            if func is torch.Tensor.backward and bounds.steps is not None and counter.steps >= bounds.steps:
-                raise TrialStop(f"steady state: a backward pass after {counter.steps} optimizer steps")
+            if func is torch.Tensor.backward:
+                backwards += 1
+                if bounds.steps is not None and counter.steps >= bounds.steps:
+                    raise TrialStop(f"steady state: a backward pass after {counter.steps} optimizer steps")
+                if bounds.backwards is not None and backwards >= bounds.backwards:
+                    raise TrialStop(f"ran {backwards} backward passes")
             return out
 
     handle = register_optimizer_step_post_hook(after_step)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
+from .fixes import spec_of, spec_with
 from .runner import Attempt, Bounds, RunSpec, execute
 
 
@@ -33,7 +34,7 @@ class Session:
         self.search_margin = 0.02
         self.trace_entries: int | None = None
         # (factor, least, most): the default plan budget is factor x the failed run's time, within bounds.
-        self.budget_rule = (8.0, 20.0, 300.0)
+        self.budget_rule = (8.0, 30.0, 300.0)
         self._errors: dict[str, BaseException] = {}
         self.last_snapshot_bytes = 0
 
@@ -182,31 +183,6 @@ class Session:
             with contextlib.suppress(Exception):
                 self._publish(run)
         return run
-
-
-def spec_of(run: CellRun) -> RunSpec:
-    """The spec that runs ``run``'s cell again as it ran (same source, options and fixes)."""
-    return RunSpec(
-        source=run.source,
-        options=run.options,
-        applied=run.applied,
-        cell_id=run.cell_id,
-        execution_count=run.execution_count,
-        parent=run.id,
-        original=run.original or run.source,
-    )
-
-
-def spec_with(run: CellRun, fixes: tuple[Remedy, ...]) -> RunSpec:
-    """The spec that runs ``run``'s cell with ``fixes`` added to those already in force: each rewrite made
-    on the source as the ones before it left it, each setting held during the run."""
-    from ..diagnosis.remedies import reapply
-
-    source = run.source
-    helpers = run.context.helpers if run.context is not None else ()
-    for i, remedy in enumerate(fixes):
-        source = remedy.new_source if i == 0 and remedy.new_source else reapply(source, remedy, helpers)
-    return replace(spec_of(run), source=source, applied=(*run.applied, *fixes))
 
 
 def _print_progress(line: str) -> None:
