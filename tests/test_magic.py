@@ -282,3 +282,90 @@ def test_an_oom_in_an_unknown_format_is_still_caught_and_kept(run_cell):
     assert run.report.source == "unknown" and "no room (code 7)" in run.report.text
     assert run.report.requested is None
     assert "Traceback" not in out
+
+
+# --- one path for a run: the options typed once, the cell parsed once, fixes read by kind ---------------
+
+TRAIN_FOR_N = """%%gpumem --limit 24MiB --quiet --no-raise --plan-budget 0 {opts}
+{prefix}model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    x = torch.randn(n, 64, 256)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def findings_of(run) -> list[tuple[str, str]]:
+    return [(f.key, f.evidence) for f in run.findings]
+
+
+def test_batch_option_reaches_the_first_report(shell, run_cell):
+    shell.user_ns["n"] = 64
+    run_cell(TRAIN_FOR_N.format(opts="--batch n", prefix=""))
+    run = last_run()
+    assert run.context.batch.name == "n" and run.context.batch.value == 64
+    batch = next(r for f in run.findings for r in f.remedies if r.kind == "batch")
+    assert batch.params["name"] == "n" and "--batch NAME" not in " ".join(e for _, e in findings_of(run))
+
+
+def test_ipython_lines_in_the_cell_change_no_finding(shell, run_cell):
+    shell.user_ns["n"] = 64
+    run_cell(TRAIN_FOR_N.format(opts="", prefix=""))
+    plain = last_run()
+    run_cell(TRAIN_FOR_N.format(opts="", prefix="!echo preparing\n%time 1 + 1\n"))
+    with_magics = last_run()
+    assert with_magics.outcome == plain.outcome == "oom"
+    assert [k for k, _ in findings_of(with_magics)] == [k for k, _ in findings_of(plain)]
+    assert with_magics.context.training and with_magics.context.batch == plain.context.batch
+
+
+def test_renaming_a_fix_changes_no_finding(shell, run_cell):
+    from dataclasses import replace
+
+    from oommagic.diagnosis.findings import Remedy
+    from oommagic.run.session import session_for
+
+    shell.user_ns["n"] = 64
+    run_cell(TRAIN_FOR_N.format(opts="", prefix=""))
+    failed = last_run()
+    session = session_for(shell)
+    autocast = Remedy("autocast", "bfloat16 autocast", automatic=True, params={"dtype": "bfloat16"})
+    one = session.retry(failed, autocast)
+    two = session.retry(failed, replace(autocast, title="something else entirely"))
+    assert one.outcome == two.outcome == "oom"
+    assert findings_of(one) == findings_of(two) and one.context.autocast_on and two.context.autocast_on
+    assert "Autocast is already on" in " ".join(e for _, e in findings_of(two))
+
+
+def test_unknown_options_show_the_parsers_usage(shell, run_cell):
+    result, out = run_cell("%%gpumem --bogus\nx = 1")
+    assert "UsageError" in out or not result.success
+    usage = shell.find_cell_magic("gpumem").__self__.gpumem.parser.format_usage()
+    for flag in ("--keep", "--no-timeline", "--plan-budget", "--find-batch"):
+        assert flag in usage and flag in out, flag
+
+
+def test_knobs_are_traits_settable_with_config(shell, run_cell):
+    from oommagic.run.session import session_for
+
+    shell.run_line_magic("config", "GpuMemMagics.plan_margin = 0.2")
+    try:
+        run_cell("%%gpumem --quiet\nx = 1")
+        assert session_for(shell).plan_margin == 0.2
+    finally:
+        shell.run_line_magic("config", "GpuMemMagics.plan_margin = 0.05")
+
+
+def test_an_oom_cell_ends_with_pytorchs_error_and_pins_nothing(shell, run_cell):
+    shell.user_ns["refs"] = []
+    result, _ = run_cell(OVERRUN)
+    err = result.error_in_exec
+    assert isinstance(err, torch.OutOfMemoryError) and oommagic.is_oom(err)
+    assert oommagic.parse_oom(str(err)).requested == 200 * MiB
+    assert shell.user_ns["refs"][0]() is None, "the error holds no frame of the failed cell"
+    try:  # what a person's `except torch.OutOfMemoryError` around run_cell sees
+        raise err
+    except torch.OutOfMemoryError as caught:
+        assert caught is err

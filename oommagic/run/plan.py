@@ -164,7 +164,8 @@ class _Measure:
         if attempt.outcome == "error":
             return replace(entry, verdict=DOES_NOT_FIT, note=f"the cell failed with it: {attempt.error_text}")
         if attempt.outcome == "stopped" and "time" in (attempt.stopped_by or ""):
-            return replace(entry, verdict=NOT_MEASURED, note=f"the time budget ran out after {attempt.steps} steps")
+            done = f"after {attempt.steps} optimizer steps" if self.training else "before the cell ended"
+            return replace(entry, verdict=NOT_MEASURED, note=f"the time budget ran out {done}")
         if attempt.outcome == "stopped" and "backward passes" in (attempt.stopped_by or ""):
             return replace(entry, verdict=NOT_MEASURED, seconds_per_step=step, note=attempt.stopped_by or "")
         if self.training and attempt.outcome == "ok" and attempt.steps == 0:
