@@ -1,6 +1,6 @@
 """The contract between ``CellRun.to_json()`` and the sidebar: the runs the kernel sends are the committed
 fixture ``labextension/test/fixtures/cellrun.json`` that the TypeScript parser is tested on
-(``labextension/test/contract.spec.ts``), so neither side can change a field without the other noticing.
+(``labextension/test/contract.spec.tsx``), so neither side can change a field without the other noticing.
 
 The runs come from real ``%%gpumem`` cells in a fresh IPython shell (CPU mode, ``--limit`` emulating a
 small card), run in a subprocess so that no earlier test's tensors change their figures, plus one record

@@ -119,7 +119,7 @@ describe('RunCard', () => {
     expect(html).toContain(
       'needed 256.00 MiB more than the 64.00 MiB limit had'
     );
-    expect(html).toContain('The batch does not fit');
+    expect(html).toContain('Activations of the batch');
     expect(html).toContain('oommagic-sparkline');
     expect(html).toContain('oommagic-apply-batch');
     expect(html).toContain('Retry cell');
