@@ -95,17 +95,26 @@ test.describe('finding the panel in JupyterLab', () => {
     await expect.poll(() => requests).toBeGreaterThan(off + 1);
   });
 
-  test("the settings editor lists the panel's settings", async ({ page }) => {
+  test('a setting changed in the settings editor applies to the open panel', async ({
+    page
+  }) => {
+    await page.sidebar.openTab('oommagic-panel');
+    const panel = page.locator('#oommagic-panel');
+    await expect(panel.locator('.oommagic-devices-section')).toBeVisible();
     await page.evaluate(() =>
       (window as any).jupyterapp.commands.execute('settingeditor:open', {
         query: 'GPU Memory'
       })
     );
-    const editor = page.locator('.jp-SettingsPanel, .jp-SettingsEditor');
+    const editor = page.locator('.jp-SettingsPanel');
     await expect(
       editor.getByText('Device refresh interval (ms)')
     ).toBeVisible();
     await expect(editor.getByText('Runs kept per cell')).toBeVisible();
+
+    await editor.getByLabel('Show devices').uncheck();
+    await expect(panel.locator('.oommagic-devices-section')).toHaveCount(0);
+    await expect(panel.locator('.oommagic-notebook-section')).toBeVisible();
     await page.screenshot({ path: `${SHOTS}/11-settings-editor.png` });
   });
 });
