@@ -3,9 +3,9 @@ fixture ``labextension/test/fixtures/cellrun.json`` that the TypeScript parser i
 (``labextension/test/contract.spec.tsx``), so neither side can change a field without the other noticing.
 
 The runs come from real ``%%gpumem`` cells in a fresh IPython shell (CPU mode, ``--limit`` emulating a
-small card), run in a subprocess so that no earlier test's tensors change their figures, plus one record
-built around a real CUDA message read by ``oommagic.parse_oom``. What changes from run to run (ids, clock
-times, wall times, the timeline's seconds) is normalised before comparing.
+small card), run in a subprocess so that no earlier test's tensors change their figures; one of them raises
+a real CUDA out-of-memory message, which the magic reads with ``oommagic.parse_oom``. What changes from run
+to run (ids, clock times, measured durations, the timeline's seconds) is normalised before comparing.
 
 ``OOMMAGIC_WRITE_FIXTURES=1 pytest tests/test_protocol_fixture.py`` rewrites the fixture; commit it together
 with the change of ``to_json`` and, where the sidebar reads the field, of ``labextension/src/protocol.ts``.
@@ -50,6 +50,8 @@ CUDA_MESSAGE = (
     "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
 )
+# The CUDA message raised in a cell: the magic reads it with `oommagic.parse_oom`, as on a GPU.
+CUDA_CELL = f"%%gpumem --limit 64MiB --quiet\nraise torch.OutOfMemoryError({CUDA_MESSAGE!r})"
 
 EPOCH = 1718000000.0
 WALL_S = 0.25
@@ -61,42 +63,48 @@ def build_runs() -> dict[str, dict]:
     from IPython.utils.capture import capture_output
 
     import oommagic
-    from oommagic.cellrun import CellRun
+    from oommagic.run.session import session_for
     from oommagic.view.widget import ReportWidget
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "oommagic")
     shell.run_cell("import torch")
+    cells = {**CELLS, "cuda_oom": CUDA_CELL}
     runs = {}
-    for name, cell in CELLS.items():
+    for name, cell in cells.items():
         with capture_output():
             shell.run_cell(cell, store_history=True)
         runs[name] = oommagic.history()[-1]
         if name == "oom_batch":
             # The batch fix pressed as a person would: a retry with its parent and the change it made.
             with capture_output():
-                runs["retry"] = ReportWidget(runs["oom_batch"], shell).click("batch")
-
-    report = oommagic.parse_oom(CUDA_MESSAGE)
-    assert report is not None
-    runs["cuda_oom"] = CellRun(
-        source="loss = model(batch).loss\nloss.backward()\n",
-        device="cuda:0",
-        options={},
-        execution_count=12,
-        cell_id="5d1c0b8e-cuda-cell",
-        outcome="oom",
-        before_allocated=100 * 2**30,
-        before_reserved=102 * 2**30,
-        after_allocated=100 * 2**30,
-        after_reserved=100 * 2**30,
-        peak_allocated=report.allocated,
-        peak_reserved=report.reserved,
-        capacity=report.capacity,
-        report=report,
-        freed=12 * 2**30,
-    )
+                runs["retry"] = ReportWidget(runs[name], session_for(shell)).click("batch")
+    assert runs["cuda_oom"].report == oommagic.parse_oom(CUDA_MESSAGE)
     return {name: run.to_json() for name, run in runs.items()}
+
+
+# Measured durations, wherever they sit in a run (its own wall time, the fix plan's trials), and the
+# sentences that quote them.
+SECONDS = {"wall_s": WALL_S, "spent_s": 1.0, "seconds_per_step": 0.1, "time_ratio": 1.0}
+SECONDS_IN_TEXT = [
+    (re.compile(r"\b\d+\.\d+ s\b"), f"{WALL_S:.2f} s"),
+    (re.compile(r"\b\d+\.\d+× the time"), "1.0× the time"),
+]
+
+
+def steady(value):
+    """``value`` with every measured duration, and every sentence quoting one, replaced by a fixed one."""
+    if isinstance(value, dict):
+        return {
+            key: SECONDS[key] if key in SECONDS and isinstance(item, (int, float)) else steady(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [steady(item) for item in value]
+    if isinstance(value, str):
+        for pattern, fixed in SECONDS_IN_TEXT:
+            value = pattern.sub(fixed, value)
+    return value
 
 
 def normalise(runs: dict[str, dict]) -> dict[str, dict]:
@@ -104,12 +112,10 @@ def normalise(runs: dict[str, dict]) -> dict[str, dict]:
     ids = {run["id"]: f"run-{i}" for i, run in enumerate(runs.values())}
     out = {}
     for i, (name, run) in enumerate(runs.items()):
-        run = json.loads(json.dumps(run))
+        run = steady(run)
         run["id"] = ids[run["id"]]
         run["parent"] = ids.get(run["parent"], run["parent"])
         run["started"] = EPOCH + i
-        run["headline"] = re.sub(r" in \d+\.\d\d s$", f" in {WALL_S:.2f} s", run["headline"])
-        run["wall_s"] = WALL_S
         timeline = run["timeline"]
         seconds = timeline["t"]
         timeline["t"] = [round(0.05 * k, 2) for k in range(len(seconds))]

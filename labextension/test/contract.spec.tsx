@@ -65,7 +65,7 @@ describe('runs written by CellRun.to_json()', () => {
     const failed = kernelRun('oom_batch');
     const retry = kernelRun('retry');
     expect(retry.parent).toBe(failed.id);
-    expect(retry.change).toMatch(/^Batch 64 → \d+$/);
+    expect(retry.change).toMatch(/^Batch 64 → \d+\b/);
     expect(listRuns([failed, retry], []).map(e => e.status)).toEqual([
       'ok',
       'retried'
