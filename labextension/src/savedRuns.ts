@@ -34,6 +34,7 @@ export interface SavedRuns {
 
 const readSummary = record(pick(CELL_RUN, SUMMARY_FIELDS));
 
+/** The part of a run its cell keeps (a live run's whole record is far larger: timeline, findings). */
 export function summarize(run: RunSummary): RunSummary {
   const summary: Partial<Record<keyof RunSummary, unknown>> = {};
   for (const key of SUMMARY_FIELDS) {
