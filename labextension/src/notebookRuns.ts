@@ -12,7 +12,13 @@ import { ISignal, Signal } from '@lumino/signaling';
 import { KernelComm } from './kernelComm';
 import { CellRunJson, KernelMessage } from './protocol';
 import { listRuns, mergeLive, RunEntry, SavedCell } from './runs';
-import { mergeSaved, METADATA_KEY, readSaved, summarize } from './savedRuns';
+import {
+  KEEP,
+  mergeSaved,
+  METADATA_KEY,
+  readSaved,
+  summarize
+} from './savedRuns';
 
 /** How many one-line notices (unknown messages, failed fixes) the panel keeps. */
 const NOTICES = 3;
@@ -29,6 +35,9 @@ export class NotebookRuns implements IDisposable {
 
   readonly panel: NotebookPanel;
   readonly comm: KernelComm;
+
+  /** How many runs each cell keeps in its metadata (the setting "Runs kept per cell"). */
+  keep = KEEP;
 
   /** Something the panel shows changed. */
   get changed(): ISignal<this, void> {
@@ -102,6 +111,12 @@ export class NotebookRuns implements IDisposable {
       this.notify(message.notice);
       return;
     }
+    if (message.problems.length) {
+      // A kernel of another oommagic version: the panel still shows what it could read.
+      console.warn(
+        `oommagic: the kernel's run record differs from this sidebar's: ${message.problems.join('; ')}`
+      );
+    }
     const runs = message.kind === 'hello' ? message.runs : [message.run];
     // A hello is the kernel's whole history: it replaces what this page knew of that kernel.
     this._live =
@@ -138,7 +153,8 @@ export class NotebookRuns implements IDisposable {
       byCell.delete(cell.id);
       const next = mergeSaved(
         cell.getMetadata(METADATA_KEY),
-        mine.map(summarize)
+        mine.map(summarize),
+        this.keep
       );
       if (next) {
         cell.sharedModel.transact(

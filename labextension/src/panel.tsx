@@ -15,18 +15,32 @@ import { gpuIcon } from './icon';
 import { NotebookRuns } from './notebookRuns';
 import { RemedyJson } from './protocol';
 import { RunEntry } from './runs';
+import { DEFAULT_SETTINGS, PanelSettings } from './settings';
 
 export const PANEL_ID = 'oommagic-panel';
+export const PANEL_TITLE = 'GPU Memory';
 
 export class GpuPanel extends ReactWidget {
   constructor(feed: DeviceFeed) {
     super();
     this.id = PANEL_ID;
     this.title.icon = gpuIcon;
-    this.title.caption = 'GPU memory';
+    this.title.caption = PANEL_TITLE;
     this.addClass('oommagic-panel');
     this._feed = feed;
     feed.changed.connect(this._refresh, this);
+  }
+
+  get settings(): PanelSettings {
+    return this._settings;
+  }
+
+  /** Apply the settings: what the panel shows, how often it asks for the devices, at once. */
+  configure(settings: PanelSettings): void {
+    this._settings = settings;
+    this._feed.interval = settings.pollInterval;
+    this._followVisibility();
+    this.update();
   }
 
   /** Show the runs of this notebook (null: none is open). */
@@ -57,7 +71,7 @@ export class GpuPanel extends ReactWidget {
   }
 
   dispose(): void {
-    this._feed.stop();
+    this._feed.dispose();
     this.follow(null);
     super.dispose();
   }
@@ -66,6 +80,8 @@ export class GpuPanel extends ReactWidget {
     return (
       <GpuPanelView
         devices={this._feed.state}
+        showDevices={this._settings.showDevices}
+        showRuns={this._settings.showRuns}
         notebook={this._notebookView()}
         busy={this._busy}
         onDismissNotices={() => this._runs?.dismissNotices()}
@@ -80,25 +96,32 @@ export class GpuPanel extends ReactWidget {
 
   protected onAfterShow(msg: Message): void {
     super.onAfterShow(msg);
-    this._feed.start();
+    this._followVisibility();
   }
 
   protected onAfterHide(msg: Message): void {
     super.onAfterHide(msg);
-    this._feed.stop();
+    this._followVisibility();
   }
 
   protected onAfterAttach(msg: Message): void {
     super.onAfterAttach(msg);
     // A panel restored open at start-up is attached visible and gets no after-show.
-    if (this.isVisible) {
-      this._feed.start();
-    }
+    this._followVisibility();
   }
 
   protected onBeforeDetach(msg: Message): void {
     this._feed.stop();
     super.onBeforeDetach(msg);
+  }
+
+  /** Poll the devices only while someone can see them. */
+  private _followVisibility(): void {
+    if (this.isAttached && this.isVisible && this._settings.showDevices) {
+      this._feed.start();
+    } else {
+      this._feed.stop();
+    }
   }
 
   private _notebookView(): INotebookView | null {
@@ -171,6 +194,7 @@ export class GpuPanel extends ReactWidget {
   }
 
   private _feed: DeviceFeed;
+  private _settings: PanelSettings = DEFAULT_SETTINGS;
   private _runs: NotebookRuns | null = null;
   private _busy = false;
 }

@@ -6,9 +6,27 @@
  * runs so far) and then sends `{"version":1,"type":"run","run":{...}}` after each run; the frontend
  * sends `{"type":"sync"}` to have the hello sent again. Parsing never throws: anything else becomes an
  * `unknown` message whose notice the panel shows in one line.
+ *
+ * `test/fixtures/cellrun.json` holds runs that Python's `CellRun.to_json()` wrote
+ * (`tests/test_protocol_fixture.py` checks it still does); `test/contract.spec.tsx` reads them here
+ * without a problem, so a field renamed or retyped on either side fails a test.
  */
 
-import { describe, isObject, num, numbers, str } from './json';
+import {
+  anyObject,
+  describe,
+  flag,
+  integer,
+  isObject,
+  listOf,
+  nullable,
+  oneOf,
+  pair,
+  real,
+  record,
+  Shape,
+  text
+} from './json';
 
 export const COMM_TARGET = 'oommagic';
 export const PROTOCOL_VERSION = 1;
@@ -49,6 +67,28 @@ export interface FindingJson {
   remedies: RemedyJson[];
 }
 
+/** The figures of the out-of-memory message (`oommagic.parse_oom`); bytes, null where it says nothing. */
+export interface OOMReportJson {
+  text: string;
+  device: string | null;
+  gpu_index: number | null;
+  requested: number | null;
+  capacity: number | null;
+  free: number | null;
+  allocated: number | null;
+  reserved: number | null;
+  reserved_unallocated: number | null;
+  process_used: number | null;
+  /** `[pid, bytes]` of the other processes the message names. */
+  other_processes: [pid: number, bytes: number][];
+  limit: number | null;
+  source: string;
+  emulated: boolean;
+}
+
+/** A name the failed cell had bound to device memory, dropped with its attempt: `[name, bytes]`. */
+export type DroppedJson = [name: string, bytes: number];
+
 /** One execution of a `%%gpumem` cell. Bytes are integers; null where nothing was measured. */
 export interface CellRunJson {
   version: number;
@@ -76,16 +116,19 @@ export interface CellRunJson {
   limit: number | null;
   headroom: number | null;
   timeline: TimelineJson;
-  report: Record<string, unknown> | null;
+  report: OOMReportJson | null;
+  /** Bytes given back after the error. */
   freed: number | null;
+  dropped: DroppedJson[];
   error: string | null;
   findings: FindingJson[];
+  /** What a retry changed ("Batch 64 → 32"), null for a run the user started. */
   change: string | null;
 }
 
 export type KernelMessage =
-  | { kind: 'hello'; runs: CellRunJson[] }
-  | { kind: 'run'; run: CellRunJson }
+  | { kind: 'hello'; runs: CellRunJson[]; problems: string[] }
+  | { kind: 'run'; run: CellRunJson; problems: string[] }
   | { kind: 'unknown'; notice: string; detail: string };
 
 /** The one message the frontend sends: ask the kernel to send its hello again. */
@@ -97,6 +140,94 @@ export const OUTCOMES: readonly Outcome[] = [
   'error',
   'interrupted'
 ];
+
+/** A value read against a shape, with what did not match it (empty when all did). */
+export interface Checked<T> {
+  value: T;
+  problems: string[];
+}
+
+const bytes = integer;
+const maybeBytes = nullable(integer);
+
+const REMEDY: Shape<RemedyJson> = {
+  kind: text,
+  title: text,
+  explanation: text,
+  code: nullable(text),
+  automatic: flag,
+  saving: maybeBytes,
+  params: anyObject,
+  new_source: nullable(text)
+};
+
+const FINDING: Shape<FindingJson> = {
+  key: text,
+  title: text,
+  evidence: text,
+  saving: maybeBytes,
+  score: real,
+  remedies: listOf(record(REMEDY))
+};
+
+const OOM_REPORT: Shape<OOMReportJson> = {
+  text,
+  device: nullable(text),
+  gpu_index: nullable(integer),
+  requested: maybeBytes,
+  capacity: maybeBytes,
+  free: maybeBytes,
+  allocated: maybeBytes,
+  reserved: maybeBytes,
+  reserved_unallocated: maybeBytes,
+  process_used: maybeBytes,
+  other_processes: listOf(pair(integer, bytes)),
+  limit: maybeBytes,
+  source: text,
+  emulated: flag
+};
+
+const TIMELINE: Shape<TimelineJson> = {
+  t: listOf(real),
+  allocated: listOf(bytes),
+  reserved: listOf(bytes),
+  steps: listOf(real),
+  oom_at: nullable(real),
+  truncated: flag,
+  events: integer
+};
+
+/** The reader of every field of a `CellRunJson`; `savedRuns.ts` reads its summaries with a part of it. */
+export const CELL_RUN: Shape<CellRunJson> = {
+  version: integer,
+  id: text,
+  parent: nullable(text),
+  source: text,
+  device: text,
+  options: anyObject,
+  execution_count: nullable(integer),
+  cell_id: nullable(text),
+  started: real,
+  wall_s: real,
+  outcome: oneOf(OUTCOMES, 'error'),
+  headline: text,
+  before_allocated: bytes,
+  before_reserved: bytes,
+  after_allocated: bytes,
+  after_reserved: bytes,
+  peak_allocated: bytes,
+  peak_reserved: bytes,
+  capacity: maybeBytes,
+  limit: maybeBytes,
+  headroom: maybeBytes,
+  timeline: readTimeline,
+  report: nullable(record(OOM_REPORT)),
+  freed: maybeBytes,
+  dropped: listOf(pair(text, bytes)),
+  error: nullable(text),
+  findings: listOf(record(FINDING)),
+  change: nullable(text)
+};
 
 /** Read a comm message's `data`; never throws. */
 export function parseKernelMessage(data: unknown): KernelMessage {
@@ -115,61 +246,39 @@ export function parseKernelMessage(data: unknown): KernelMessage {
     if (!Array.isArray(data.runs)) {
       return unknown(version, 'hello without a list of runs');
     }
-    const runs = data.runs.map(parseCellRun).filter(isRun);
-    return { kind: 'hello', runs };
+    const checked = data.runs.map(checkCellRun).filter(isChecked);
+    return {
+      kind: 'hello',
+      runs: checked.map(c => c.value),
+      problems: checked.flatMap(c => c.problems)
+    };
   }
   if (data.type === 'run') {
-    const run = parseCellRun(data.run);
-    return run
-      ? { kind: 'run', run }
+    const checked = checkCellRun(data.run);
+    return checked
+      ? { kind: 'run', run: checked.value, problems: checked.problems }
       : unknown(version, 'run without a valid run record');
   }
   return unknown(version, `unknown type ${describe(data.type)}`);
 }
 
 /**
- * A `CellRun` json with every field present and of its type; null when it has no string `id`.
- * Fields a newer kernel adds are kept; missing or mistyped ones get the empty value.
+ * A `CellRun` json read against `CELL_RUN`, with the fields that did not match it (each named with
+ * the run's id); null when it has no string `id` and so is no run at all. Declared fields that are
+ * missing or mistyped get their empty value; fields a newer kernel adds are left out.
  */
-export function parseCellRun(value: unknown): CellRunJson | null {
+export function checkCellRun(value: unknown): Checked<CellRunJson> | null {
   if (!isObject(value) || typeof value.id !== 'string' || value.id === '') {
     return null;
   }
-  const outcome = (OUTCOMES as readonly unknown[]).includes(value.outcome)
-    ? value.outcome
-    : 'error';
-  return {
-    ...value,
-    version: num(value.version) ?? PROTOCOL_VERSION,
-    id: value.id,
-    parent: str(value.parent),
-    source: str(value.source) ?? '',
-    device: str(value.device) ?? '',
-    options: isObject(value.options) ? value.options : {},
-    execution_count: num(value.execution_count),
-    cell_id: str(value.cell_id),
-    started: num(value.started) ?? 0,
-    wall_s: num(value.wall_s) ?? 0,
-    outcome: outcome as Outcome,
-    headline: str(value.headline) ?? '',
-    before_allocated: num(value.before_allocated) ?? 0,
-    before_reserved: num(value.before_reserved) ?? 0,
-    after_allocated: num(value.after_allocated) ?? 0,
-    after_reserved: num(value.after_reserved) ?? 0,
-    peak_allocated: num(value.peak_allocated) ?? 0,
-    peak_reserved: num(value.peak_reserved) ?? 0,
-    capacity: num(value.capacity),
-    limit: num(value.limit),
-    headroom: num(value.headroom),
-    timeline: parseTimeline(value.timeline),
-    report: isObject(value.report) ? value.report : null,
-    freed: num(value.freed),
-    error: str(value.error),
-    findings: Array.isArray(value.findings)
-      ? value.findings.filter(isObject).map(parseFinding)
-      : [],
-    change: str(value.change)
-  };
+  const problems: string[] = [];
+  const run = record(CELL_RUN)(value, `run ${value.id}`, problems);
+  return { value: run, problems };
+}
+
+/** `checkCellRun` without the problems. */
+export function parseCellRun(value: unknown): CellRunJson | null {
+  return checkCellRun(value)?.value ?? null;
 }
 
 /** The bytes a run could use: its limit if one was set, else the card's capacity. */
@@ -180,47 +289,26 @@ export function budgetOf(run: {
   return run.limit ?? run.capacity;
 }
 
-function parseTimeline(value: unknown): TimelineJson {
-  const data = isObject(value) ? value : {};
-  const t = numbers(data.t);
-  const allocated = numbers(data.allocated);
-  const reserved = numbers(data.reserved);
+/** The timeline's lists, cut to a common length so that the sparkline can zip them. */
+function readTimeline(
+  value: unknown,
+  at: string,
+  problems: string[]
+): TimelineJson {
+  const timeline = record(TIMELINE)(value, at, problems);
+  const { t, allocated, reserved } = timeline;
   const n = Math.min(t.length, allocated.length);
+  if (t.length !== allocated.length || reserved.length < n) {
+    problems.push(
+      `${at}: t, allocated and reserved have ${t.length}, ${allocated.length} and ${reserved.length} entries`
+    );
+  }
   return {
+    ...timeline,
     t: t.slice(0, n),
     allocated: allocated.slice(0, n),
     reserved:
-      reserved.length >= n ? reserved.slice(0, n) : allocated.slice(0, n),
-    steps: numbers(data.steps),
-    oom_at: num(data.oom_at),
-    truncated: data.truncated === true,
-    events: num(data.events) ?? 0
-  };
-}
-
-function parseFinding(value: Record<string, unknown>): FindingJson {
-  return {
-    key: str(value.key) ?? '',
-    title: str(value.title) ?? '',
-    evidence: str(value.evidence) ?? '',
-    saving: num(value.saving),
-    score: num(value.score) ?? 0,
-    remedies: Array.isArray(value.remedies)
-      ? value.remedies.filter(isObject).map(parseRemedy)
-      : []
-  };
-}
-
-function parseRemedy(value: Record<string, unknown>): RemedyJson {
-  return {
-    kind: str(value.kind) ?? '',
-    title: str(value.title) ?? '',
-    explanation: str(value.explanation) ?? '',
-    code: str(value.code),
-    automatic: value.automatic === true,
-    saving: num(value.saving),
-    params: isObject(value.params) ? value.params : {},
-    new_source: str(value.new_source)
+      reserved.length >= n ? reserved.slice(0, n) : allocated.slice(0, n)
   };
 }
 
@@ -232,6 +320,8 @@ function unknown(version: number | string, detail: string): KernelMessage {
   };
 }
 
-function isRun(run: CellRunJson | null): run is CellRunJson {
-  return run !== null;
+function isChecked(
+  checked: Checked<CellRunJson> | null
+): checked is Checked<CellRunJson> {
+  return checked !== null;
 }

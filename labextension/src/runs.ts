@@ -9,24 +9,20 @@ import { RunSummary } from './savedRuns';
 
 export type RunStatus = 'ok' | 'oom' | 'retried' | 'error' | 'interrupted';
 
-export interface RunEntry {
-  id: string;
+/**
+ * One run in the panel's list: the run's own record (the whole `CellRunJson` of a live run, the
+ * summary its cell saved for an earlier one) and where it stands in the notebook now.
+ */
+export type RunEntry = {
   /** The notebook cell's model id, null when the kernel did not know it (a console, a script). */
   cellId: string | null;
   executionCount: number | null;
-  outcome: Outcome;
   status: RunStatus;
-  headline: string;
-  peakAllocated: number;
-  peakReserved: number;
-  capacity: number | null;
-  limit: number | null;
-  started: number;
+} & (
+  | { saved: false; run: CellRunJson }
   /** Read from the cell's metadata, not received from the running kernel. */
-  saved: boolean;
-  /** The full record for live runs (timeline, findings); null for saved ones. */
-  run: CellRunJson | null;
-}
+  | { saved: true; run: RunSummary }
+);
 
 /** The runs saved in one cell's metadata, with that cell's identity. */
 export interface SavedCell {
@@ -61,17 +57,9 @@ export function listRuns(
   );
   const liveIds = new Set(live.map(r => r.id));
   const entries: RunEntry[] = live.map(run => ({
-    id: run.id,
     cellId: run.cell_id,
     executionCount: run.execution_count,
-    outcome: run.outcome,
     status: statusOf(run.outcome, retriedIds.has(run.id)),
-    headline: run.headline,
-    peakAllocated: run.peak_allocated,
-    peakReserved: run.peak_reserved,
-    capacity: run.capacity,
-    limit: run.limit,
-    started: run.started,
     saved: false,
     run
   }));
@@ -85,23 +73,15 @@ export function listRuns(
       // taken as retried.
       const rerun = summary.outcome !== 'ok' && summary.started < latest;
       entries.push({
-        id: summary.id,
         cellId: cell.cellId,
         executionCount: cell.executionCount,
-        outcome: summary.outcome,
         status: statusOf(summary.outcome, rerun),
-        headline: summary.headline,
-        peakAllocated: summary.peak_allocated,
-        peakReserved: summary.peak_reserved,
-        capacity: summary.capacity,
-        limit: summary.limit,
-        started: summary.started,
         saved: true,
-        run: null
+        run: summary
       });
     }
   }
-  return entries.sort((a, b) => b.started - a.started);
+  return entries.sort((a, b) => b.run.started - a.run.started);
 }
 
 /** Add or replace runs by id, keeping arrival order (a retry re-sent in a hello stays where it was). */

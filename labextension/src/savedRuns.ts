@@ -4,49 +4,60 @@
  * without running anything.
  *
  * `{"runs": [{"id", "outcome", "peak_allocated", "peak_reserved", "capacity", "limit", "headline",
- * "started"}]}`, oldest first, at most `KEEP` entries.
+ * "started"}]}`, oldest first, at most `keep` entries (the setting "Runs kept per cell", `KEEP` by
+ * default).
  */
 
-import { isObject } from './json';
-import { CellRunJson, Outcome, OUTCOMES } from './protocol';
+import { isObject, num, pick, record } from './json';
+import { CELL_RUN, CellRunJson } from './protocol';
 
 export const METADATA_KEY = 'oommagic';
 export const KEEP = 5;
 
-export interface RunSummary {
-  id: string;
-  outcome: Outcome;
-  peak_allocated: number;
-  peak_reserved: number;
-  capacity: number | null;
-  limit: number | null;
-  headline: string;
-  started: number;
-}
+/** The fields of a run that its cell keeps: a part of `CellRunJson`, read with the same readers. */
+export const SUMMARY_FIELDS = [
+  'id',
+  'outcome',
+  'peak_allocated',
+  'peak_reserved',
+  'capacity',
+  'limit',
+  'headline',
+  'started'
+] as const;
+
+export type RunSummary = Pick<CellRunJson, (typeof SUMMARY_FIELDS)[number]>;
 
 export interface SavedRuns {
   runs: RunSummary[];
 }
 
-export function summarize(run: CellRunJson): RunSummary {
-  return {
-    id: run.id,
-    outcome: run.outcome,
-    peak_allocated: run.peak_allocated,
-    peak_reserved: run.peak_reserved,
-    capacity: run.capacity,
-    limit: run.limit,
-    headline: run.headline,
-    started: run.started
-  };
+const readSummary = record(pick(CELL_RUN, SUMMARY_FIELDS));
+
+/** The part of a run its cell keeps (a live run's whole record is far larger: timeline, findings). */
+export function summarize(run: RunSummary): RunSummary {
+  const summary: Partial<Record<keyof RunSummary, unknown>> = {};
+  for (const key of SUMMARY_FIELDS) {
+    summary[key] = run[key];
+  }
+  return summary as RunSummary;
 }
 
-/** The summaries in a cell's `oommagic` metadata; entries that are not summaries are dropped. */
+/**
+ * The summaries in a cell's `oommagic` metadata. An entry without a string id or a start time is
+ * dropped; other fields that are missing or mistyped get their empty value.
+ */
 export function readSaved(metadata: unknown): RunSummary[] {
   if (!isObject(metadata) || !Array.isArray(metadata.runs)) {
     return [];
   }
-  return metadata.runs.filter(isObject).flatMap(normalize);
+  return metadata.runs.flatMap((entry: unknown) =>
+    isObject(entry) &&
+    typeof entry.id === 'string' &&
+    num(entry.started) !== null
+      ? [readSummary(entry, 'summary', [])]
+      : []
+  );
 }
 
 /**
@@ -62,7 +73,7 @@ export function mergeSaved(
   const before = readSaved(metadata);
   const byId = new Map(before.map(r => [r.id, r]));
   for (const run of runs) {
-    byId.set(run.id, run);
+    byId.set(run.id, summarize(run));
   }
   const after = [...byId.values()]
     .sort((a, b) => a.started - b.started)
@@ -73,27 +84,4 @@ export function mergeSaved(
     metadata.runs.length === after.length &&
     JSON.stringify(metadata.runs) === JSON.stringify(after);
   return unchanged ? null : { runs: after };
-}
-
-function normalize(value: Record<string, unknown>): RunSummary[] {
-  const { id, outcome, started } = value;
-  if (typeof id !== 'string' || typeof started !== 'number') {
-    return [];
-  }
-  const bytes = (v: unknown): number | null =>
-    typeof v === 'number' ? v : null;
-  return [
-    {
-      id,
-      outcome: (OUTCOMES as readonly unknown[]).includes(outcome)
-        ? (outcome as Outcome)
-        : 'error',
-      peak_allocated: bytes(value.peak_allocated) ?? 0,
-      peak_reserved: bytes(value.peak_reserved) ?? 0,
-      capacity: bytes(value.capacity),
-      limit: bytes(value.limit),
-      headline: typeof value.headline === 'string' ? value.headline : '',
-      started
-    }
-  ];
 }

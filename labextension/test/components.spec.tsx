@@ -2,9 +2,11 @@ import * as React from 'react';
 import { renderToStaticMarkup } from 'react-dom/server';
 
 import { DeviceList } from '../src/components/DeviceList';
+import { GpuPanelView } from '../src/components/GpuPanelView';
 import { RunCard } from '../src/components/RunCard';
 import { DeviceState, parseDevices } from '../src/devices';
 import { listRuns } from '../src/runs';
+import { DEFAULT_SETTINGS, PanelSettings } from '../src/settings';
 import { oomRun } from './fixtures';
 
 const GiB = 2 ** 30;
@@ -119,7 +121,7 @@ describe('RunCard', () => {
     expect(html).toContain(
       'needed 256.00 MiB more than the 64.00 MiB limit had'
     );
-    expect(html).toContain('The batch does not fit');
+    expect(html).toContain('Activations of the batch');
     expect(html).toContain('oommagic-sparkline');
     expect(html).toContain('oommagic-apply-batch');
     expect(html).toContain('Retry cell');
@@ -139,5 +141,42 @@ describe('RunCard', () => {
     );
     expect(html).not.toContain('oommagic-apply');
     expect(html).not.toContain('Retry cell');
+  });
+});
+
+function render(settings: PanelSettings): string {
+  return renderToStaticMarkup(
+    <GpuPanelView
+      devices={{ kind: 'loading' }}
+      showDevices={settings.showDevices}
+      showRuns={settings.showRuns}
+      notebook={null}
+      busy={false}
+      onDismissNotices={() => undefined}
+      onReveal={() => undefined}
+      onRetry={() => undefined}
+      onApply={() => undefined}
+    />
+  );
+}
+
+describe('the panel sections', () => {
+  it('show the devices and the runs by default', () => {
+    const html = render(DEFAULT_SETTINGS);
+    expect(html).toContain('oommagic-devices-section');
+    expect(html).toContain('oommagic-notebook-section');
+  });
+
+  it('leave out what the settings switch off, and say so when both are off', () => {
+    const noRuns = render({ ...DEFAULT_SETTINGS, showRuns: false });
+    expect(noRuns).toContain('oommagic-devices-section');
+    expect(noRuns).not.toContain('oommagic-notebook-section');
+    const none = render({
+      ...DEFAULT_SETTINGS,
+      showRuns: false,
+      showDevices: false
+    });
+    expect(none).not.toContain('oommagic-devices-section');
+    expect(none).toContain('switched off in Settings › GPU Memory');
   });
 });

@@ -10,7 +10,7 @@ describe('parseKernelMessage', () => {
     });
     expect(message.kind).toBe('hello');
     expect(message.kind === 'hello' && message.runs.map(r => r.id)).toEqual([
-      'a1b2c3d4e5f6',
+      'run-1',
       'second'
     ]);
   });
@@ -21,7 +21,7 @@ describe('parseKernelMessage', () => {
       type: 'run',
       run: oomRun()
     });
-    expect(message).toEqual({ kind: 'run', run: oomRun() });
+    expect(message).toEqual({ kind: 'run', run: oomRun(), problems: [] });
   });
 
   it('turns an unknown version into a one-line notice instead of throwing', () => {
@@ -91,11 +91,15 @@ describe('parseCellRun', () => {
 
   it('keeps a remedy without new_source as not applicable to the cell', () => {
     const run = oomRun();
-    const remedy = { ...run.findings[0].remedies[0], new_source: undefined };
+    const finding = run.findings.find(f => f.remedies.length)!;
+    const remedy = { ...finding.remedies[0], new_source: undefined };
     const parsed = parseCellRun({
       ...run,
-      findings: [{ ...run.findings[0], remedies: [remedy] }]
+      findings: [{ ...finding, remedies: [remedy] }]
     });
-    expect(parsed?.findings[0].remedies[0].new_source).toBeNull();
+    expect(parsed?.findings[0].remedies[0]).toMatchObject({
+      kind: 'batch',
+      new_source: null
+    });
   });
 });

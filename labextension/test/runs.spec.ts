@@ -13,7 +13,7 @@ describe('listRuns', () => {
       findings: []
     });
     const entries = listRuns([failed, retry], []);
-    expect(entries.map(e => [e.id, e.status])).toEqual([
+    expect(entries.map(e => [e.run.id, e.status])).toEqual([
       ['retry', 'ok'],
       ['failed', 'retried']
     ]);
@@ -29,11 +29,13 @@ describe('listRuns', () => {
       }
     ];
     const entries = listRuns([live], saved);
-    expect(entries.map(e => [e.id, e.saved, e.executionCount])).toEqual([
+    expect(entries.map(e => [e.run.id, e.saved, e.executionCount])).toEqual([
       ['live', false, 2],
       ['old', true, 7]
     ]);
-    expect(entries[1].run).toBeNull();
+    // A saved run is its summary: no timeline, no findings to draw.
+    expect(entries[1].run).toEqual(saved[0].runs[0]);
+    expect(entries[1].run).not.toHaveProperty('timeline');
   });
 });
 
@@ -67,7 +69,7 @@ describe('saved runs', () => {
         runs: [summarize(oomRun({ id: 'still-failing', started: 3 }))]
       }
     ];
-    expect(listRuns([], saved).map(e => [e.id, e.status])).toEqual([
+    expect(listRuns([], saved).map(e => [e.run.id, e.status])).toEqual([
       ['still-failing', 'oom'],
       ['fixed', 'ok'],
       ['failed', 'retried']

@@ -18,6 +18,9 @@ export interface INotebookView {
 
 export interface IGpuPanelViewProps {
   devices: DeviceState;
+  /** The sections the settings switch on. */
+  showDevices: boolean;
+  showRuns: boolean;
   /** Null when no notebook is open. */
   notebook: INotebookView | null;
   busy: boolean;
@@ -29,42 +32,51 @@ export interface IGpuPanelViewProps {
 
 /** The sidebar's content: the devices, then the runs of the notebook being looked at. */
 export function GpuPanelView(props: IGpuPanelViewProps): JSX.Element {
-  const { notebook } = props;
+  const { notebook, showDevices, showRuns } = props;
   return (
     <div className="oommagic-panel-body">
-      <section className="oommagic-section oommagic-devices-section">
-        <h2 className="oommagic-section-title">Devices</h2>
-        <DeviceList state={props.devices} />
-      </section>
-      <section className="oommagic-section oommagic-notebook-section">
-        <h2 className="oommagic-section-title">
-          This notebook
+      {showDevices ? (
+        <section className="oommagic-section oommagic-devices-section">
+          <h2 className="oommagic-section-title">Devices</h2>
+          <DeviceList state={props.devices} />
+        </section>
+      ) : null}
+      {showRuns ? (
+        <section className="oommagic-section oommagic-notebook-section">
+          <h2 className="oommagic-section-title">
+            This notebook
+            {notebook ? (
+              <span className="oommagic-notebook-name"> · {notebook.name}</span>
+            ) : null}
+          </h2>
           {notebook ? (
-            <span className="oommagic-notebook-name"> · {notebook.name}</span>
-          ) : null}
-        </h2>
-        {notebook ? (
-          <>
-            <div className="oommagic-muted oommagic-kernel-state">
-              kernel: {notebook.kernel}
+            <>
+              <div className="oommagic-muted oommagic-kernel-state">
+                kernel: {notebook.kernel}
+              </div>
+              <RunList
+                entries={notebook.entries}
+                cellIds={notebook.cellIds}
+                notices={notebook.notices}
+                busy={props.busy}
+                onDismissNotices={props.onDismissNotices}
+                onReveal={props.onReveal}
+                onRetry={props.onRetry}
+                onApply={props.onApply}
+              />
+            </>
+          ) : (
+            <div className="oommagic-muted">
+              Open a notebook to see its %%gpumem runs.
             </div>
-            <RunList
-              entries={notebook.entries}
-              cellIds={notebook.cellIds}
-              notices={notebook.notices}
-              busy={props.busy}
-              onDismissNotices={props.onDismissNotices}
-              onReveal={props.onReveal}
-              onRetry={props.onRetry}
-              onApply={props.onApply}
-            />
-          </>
-        ) : (
-          <div className="oommagic-muted">
-            Open a notebook to see its %%gpumem runs.
-          </div>
-        )}
-      </section>
+          )}
+        </section>
+      ) : null}
+      {!showDevices && !showRuns ? (
+        <div className="oommagic-muted oommagic-all-hidden">
+          Devices and runs are both switched off in Settings › GPU Memory.
+        </div>
+      ) : null}
     </div>
   );
 }

@@ -4,6 +4,7 @@ import { formatBytes, percent } from '../format';
 import { budgetOf, RemedyJson } from '../protocol';
 import { RunEntry, STATUS_LABEL } from '../runs';
 import { FindingView } from './FindingView';
+import { GivenBack } from './GivenBack';
 import { Sparkline } from './Sparkline';
 
 /** How many findings of an out-of-memory run are shown (they come ranked, best first). */
@@ -32,13 +33,15 @@ export function RunCard({
   onRetry,
   onApply
 }: IRunCardProps): JSX.Element {
-  const run = entry.run;
-  const budget = budgetOf(entry);
-  const share = percent(entry.peakReserved, budget);
+  const summary = entry.run;
+  // Timeline, findings and what was given back come with live runs only.
+  const live = entry.saved ? null : entry.run;
+  const budget = budgetOf(summary);
+  const share = percent(summary.peak_reserved, budget);
   const cell =
     entry.executionCount !== null ? `[${entry.executionCount}]` : '[ ]';
   const findings =
-    run && entry.outcome === 'oom' ? run.findings.slice(0, TOP_FINDINGS) : [];
+    live && live.outcome === 'oom' ? live.findings.slice(0, TOP_FINDINGS) : [];
   const classes = [
     'oommagic-run',
     `oommagic-run-${entry.status}`,
@@ -47,7 +50,7 @@ export function RunCard({
   return (
     <li
       className={classes}
-      data-run-id={entry.id}
+      data-run-id={summary.id}
       data-cell-id={entry.cellId ?? undefined}
     >
       <div
@@ -71,29 +74,30 @@ export function RunCard({
         <span className={`oommagic-status oommagic-status-${entry.status}`}>
           {STATUS_LABEL[entry.status]}
         </span>
-        {run?.device ? (
-          <span className="oommagic-run-device">{run.device}</span>
+        {live?.device ? (
+          <span className="oommagic-run-device">{live.device}</span>
         ) : null}
-        <span className="oommagic-run-time">{clock(entry.started)}</span>
+        <span className="oommagic-run-time">{clock(summary.started)}</span>
       </div>
       {entry.saved ? (
         <div className="oommagic-run-saved-mark">from a saved run</div>
       ) : null}
-      {run?.change ? (
-        <div className="oommagic-run-change">retry: {run.change}</div>
+      {live?.change ? (
+        <div className="oommagic-run-change">retry: {live.change}</div>
       ) : null}
       <div className="oommagic-run-peak">
-        peak {formatBytes(entry.peakAllocated)} allocated,{' '}
-        {formatBytes(entry.peakReserved)} reserved
+        peak {formatBytes(summary.peak_allocated)} allocated,{' '}
+        {formatBytes(summary.peak_reserved)} reserved
         {budget !== null
-          ? ` of ${formatBytes(budget)}${entry.limit !== null ? ' limit' : ''}`
+          ? ` of ${formatBytes(budget)}${summary.limit !== null ? ' limit' : ''}`
           : ''}
         {share ? ` (${share})` : ''}
       </div>
-      {run ? <Sparkline timeline={run.timeline} budget={budget} /> : null}
-      {entry.outcome !== 'ok' && entry.headline ? (
-        <div className="oommagic-run-headline">{entry.headline}</div>
+      {live ? <Sparkline timeline={live.timeline} budget={budget} /> : null}
+      {summary.outcome !== 'ok' && summary.headline ? (
+        <div className="oommagic-run-headline">{summary.headline}</div>
       ) : null}
+      {live ? <GivenBack run={live} /> : null}
       {findings.length ? (
         <ul className="oommagic-findings">
           {findings.map(finding => (

@@ -41,7 +41,7 @@ export function RunList(props: IRunListProps): JSX.Element {
         <ul className="oommagic-runs">
           {entries.map(entry => (
             <RunCard
-              key={entry.id}
+              key={entry.run.id}
               entry={entry}
               cellPresent={entry.cellId !== null && cellIds.has(entry.cellId)}
               busy={busy}
