@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "labextension" / "test" / "fixtures" / "cellrun.json"
 
 # Each cell under a --limit, so that the card's capacity is the limit and not this machine's RAM.
