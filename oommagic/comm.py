@@ -7,7 +7,11 @@ Protocol version 1 (the frontend end is ``labextension/src/protocol.ts``):
 - then sends ``{"version": 1, "type": "run", "run": <CellRun.to_json()>}`` for each run (a retry has
   ``parent`` = the id of the run it retried);
 - the frontend sends ``{"type": "sync"}`` to have the hello sent again (a reloaded page does, after
-  finding the open comm by ``comm_info_request``).
+  finding the open comm by ``comm_info_request``);
+- the frontend sends ``{"type": "remove", "run": <id>, "index": <i>}`` to run that run's cell again without
+  the fix at ``applied[i]``, and ``{"type": "apply", "run": <id>, "entry": <k>}`` to run it with the fix
+  plan's entry ``k``; the new run arrives as a ``run`` message (its ``parent`` is ``<id>``), or, when the
+  action cannot be done, ``{"version": 1, "type": "error", "run": <id>, "message": "..."}``.
 
 Uses the ``comm`` package, which ipykernel wires to the kernel; outside a kernel (terminal IPython, a
 script) ``comm.create_comm`` gives a comm that sends nothing, and ipykernel is never imported here.
@@ -30,6 +34,14 @@ log = logging.getLogger(__name__)
 _comm: Any = None
 # Where the hello's runs come from: the session's history, handed over with each publish.
 _runs: Sequence[CellRun] = ()
+# What runs a sidebar action: the session registers it (this module knows no session).
+_actions: Any = None
+
+
+def serve(actions: Any) -> None:
+    """Let the sidebar's ``remove`` and ``apply`` messages act through ``actions`` (the session)."""
+    global _actions
+    _actions = actions
 
 
 def hello(runs: Sequence[CellRun]) -> dict[str, Any]:
@@ -72,12 +84,40 @@ def _open() -> Any:
 
 def _on_msg(msg: dict[str, Any]) -> None:
     data = msg.get("content", {}).get("data")
-    # Anything but a sync (a newer frontend's message, garbage) is ignored.
-    if isinstance(data, dict) and data.get("type") == "sync" and _comm is not None:
+    # Anything else (a newer frontend's message, garbage) is ignored.
+    if not isinstance(data, dict) or _comm is None:
+        return
+    kind = data.get("type")
+    if kind == "sync":
         try:
             _comm.send(hello(_runs))
         except Exception:
             log.warning("oommagic: could not answer the sidebar's sync", exc_info=True)
+    elif kind in ("remove", "apply") and _actions is not None:
+        _act(kind, data)
+
+
+def _act(kind: str, data: dict[str, Any]) -> None:
+    """Run a sidebar action; the session publishes the new run. A bad request is answered, never raised."""
+    run = next((r for r in _runs if r.id == data.get("run")), None)
+    try:
+        if run is None:
+            raise ValueError(f"no run {data.get('run')!r} in this kernel")
+        if kind == "remove":
+            index = int(data.get("index", -1))
+            if not 0 <= index < len(run.applied):
+                raise ValueError(f"run {run.id} has no fix {index} in force")
+            _actions.remove(run, index)
+        else:
+            entries = run.plan.entries if run.plan is not None else ()
+            k = int(data.get("entry", -1))
+            if not 0 <= k < len(entries):
+                raise ValueError(f"run {run.id} has no plan entry {k}")
+            _actions.retry(run, entries[k].fixes)
+    except (ValueError, TypeError) as err:
+        _comm.send({"version": PROTOCOL_VERSION, "type": "error", "run": data.get("run"), "message": str(err)})
+    except Exception as err:  # the cell's own error: the kernel goes on, the sidebar is told
+        _comm.send({"version": PROTOCOL_VERSION, "type": "error", "run": data.get("run"), "message": repr(err)})
 
 
 def _forget(closed: Any) -> None:

@@ -165,3 +165,49 @@ def test_publish_outside_a_kernel_sends_nothing_and_imports_no_ipykernel() -> No
     )
     assert done.stdout.strip() == "False"
     assert done.stderr == ""
+
+
+FAILING = """%load_ext oommagic
+import torch
+"""
+OOM_CELL = """%%gpumem --limit 24MiB --no-raise --quiet
+batch_size = 64
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for _ in range(2):
+    x = torch.randn(batch_size, 64, 256)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_the_sidebar_applies_a_plan_entry_and_removes_a_fix(kernel: Any) -> None:
+    execute(kernel, FAILING)
+    msgs = execute(kernel, OOM_CELL)
+    [opened] = of_type(msgs, "comm_open")
+    failed = of_type(msgs, "comm_msg")[-1]["data"]["run"]
+    assert failed["outcome"] == "oom" and failed["plan"]["entries"][0]["verdict"] == "fits"
+
+    # Press the plan's first entry from the sidebar: a new run of the cell, parent = the failed run.
+    sent = of_type(
+        send_comm_msg(kernel, opened["comm_id"], {"type": "apply", "run": failed["id"], "entry": 0}),
+        "comm_msg",
+    )
+    fitted = sent[-1]["data"]["run"]
+    assert fitted["parent"] == failed["id"] and fitted["outcome"] == "ok"
+    assert [f["kind"] for f in fitted["applied"]] == failed["plan"]["entries"][0]["kind"].split("+")
+
+    # Remove that fix again: the cell runs as written, and runs out of memory as it did.
+    sent = of_type(
+        send_comm_msg(kernel, opened["comm_id"], {"type": "remove", "run": fitted["id"], "index": 0}),
+        "comm_msg",
+    )
+    again = [m["data"]["run"] for m in sent if m["data"]["type"] == "run"][0]
+    assert again["parent"] == fitted["id"] and again["applied"] == [] and again["outcome"] == "oom"
+
+    # A request the kernel cannot do is answered, not raised.
+    sent = of_type(
+        send_comm_msg(kernel, opened["comm_id"], {"type": "remove", "run": "nope", "index": 0}), "comm_msg"
+    )
+    assert sent[-1]["data"]["type"] == "error" and "no run" in sent[-1]["data"]["message"]

@@ -56,7 +56,9 @@ def imports() -> dict[str, set[str]]:
                 else:
                     target = node.module or ""
                 # `from .. import comm` imports the module oommagic.comm; `from ..x import y` imports x.
-                candidates = [f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names]
+                candidates = [
+                    f"{target}.{a.name}" if f"{target}.{a.name}" in modules else target for a in node.names
+                ]
             elif isinstance(node, ast.Import):
                 candidates = [a.name for a in node.names]
             else:
@@ -104,7 +106,9 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_circles():
     graph = imports()
     # A package's __init__ re-exporting its own modules is not a circle of the code.
-    graph = {k: {d for d in v if not k.startswith(d + ".") and not d.startswith(k + ".")} for k, v in graph.items()}
+    graph = {
+        k: {d for d in v if not k.startswith(d + ".") and not d.startswith(k + ".")} for k, v in graph.items()
+    }
     assert cycles(graph) == []
 
 
@@ -120,8 +124,14 @@ def test_nothing_imports_a_room_above_its_own():
 
 def test_the_core_imports_neither_torch_nor_ipython_at_module_level():
     """Parsing, diagnosis, the plan's arithmetic, timeline maths and sizes run on plain data."""
-    for path in [*PACKAGE.glob("diagnosis/*.py"), *PACKAGE.glob("oom/*.py"), PACKAGE / "sizes.py",
-                 PACKAGE / "timeline.py", PACKAGE / "options.py", PACKAGE / "cellrun.py"]:
+    for path in [
+        *PACKAGE.glob("diagnosis/*.py"),
+        *PACKAGE.glob("oom/*.py"),
+        PACKAGE / "sizes.py",
+        PACKAGE / "timeline.py",
+        PACKAGE / "options.py",
+        PACKAGE / "cellrun.py",
+    ]:
         tree = ast.parse(path.read_text(encoding="utf-8"))
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         names = {a.name for n in top if isinstance(n, ast.Import) for a in n.names}

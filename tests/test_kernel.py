@@ -99,7 +99,9 @@ def test_oom_stops_run_all():
 
 
 def test_another_error_fails_the_cell_with_its_own_name():
-    nb = notebook("%load_ext oommagic\nimport torch", "%%gpumem\nraise ValueError('not memory')", "print('no')")
+    nb = notebook(
+        "%load_ext oommagic\nimport torch", "%%gpumem\nraise ValueError('not memory')", "print('no')"
+    )
     with pytest.raises(CellExecutionError) as err:
         execute(nb)
     assert err.value.ename == "ValueError" and "not memory" in err.value.evalue

@@ -200,6 +200,7 @@ def session_for(shell: Any) -> Session:
 
         session = Session(shell)
         session._publish = lambda run, s=session: comm.publish(run, s.history)
+        comm.serve(session)
         _SESSIONS[id(shell)] = session
     return session
 

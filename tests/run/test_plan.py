@@ -48,7 +48,9 @@ def fingerprint(ns: dict) -> dict:
     return {
         "weights": [p.detach().clone() for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
-        "opt": {k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state.items()},
+        "opt": {
+            k: {n: v.clone() if torch.is_tensor(v) else v for n, v in s.items()} for k, s in opt.state.items()
+        },
         "lr": [g["lr"] for g in opt.param_groups],
         "sched": sched.state_dict(),
         "torch_rng": torch.get_rng_state(),
@@ -166,7 +168,12 @@ def test_a_snapshot_host_memory_cannot_hold_is_refused_and_said(trained, run_cel
 
 def test_plan_budget_zero_measures_nothing(shell, run_cell):
     shell.run_cell("import torch")
-    run_cell(TRAIN.replace("--no-raise", "--no-raise --plan-budget 0").replace("model(x)", "torch.nn.Linear(256, 256)(x)").replace("    opt.step()\n    sched.step()\n    opt.zero_grad()\n", "").replace("    history.append(float(torch.rand(1)))\n", ""))
+    run_cell(
+        TRAIN.replace("--no-raise", "--no-raise --plan-budget 0")
+        .replace("model(x)", "torch.nn.Linear(256, 256)(x)")
+        .replace("    opt.step()\n    sched.step()\n    opt.zero_grad()\n", "")
+        .replace("    history.append(float(torch.rand(1)))\n", "")
+    )
     run = oommagic.history()[-1]
     assert run.outcome == "oom" and run.plan.trials == 0
     assert all(e.verdict == "not measured" for e in run.plan.entries)
