@@ -204,10 +204,11 @@ def training_helpers(source: str, namespace: Mapping, depth: int = 2) -> tuple[t
 
 def _code_of(value: Any) -> list[types.CodeType]:
     """The code objects behind a function, a bound method, or a class defined in the notebook."""
-    func = getattr(value, "__func__", value)
-    if isinstance(func, types.FunctionType):
+    kind = type(value)
+    func = value.__func__ if kind is types.MethodType else value  # no getattr: no __getattr__ runs
+    if type(func) is types.FunctionType:
         return [func.__code__]
-    if isinstance(value, type) and value.__module__ == "__main__":
+    if issubclass(kind, type) and value.__module__ == "__main__":
         return [f.__code__ for f in vars(value).values() if isinstance(f, types.FunctionType)]
     return []
 

@@ -220,3 +220,57 @@ def test_a_cuda_run_on_a_machine_without_cuda_gathers_without_raising():
     ctx = context("y = model(x)\n", {"x": torch.zeros(10)}, device="cuda:0")
     assert ctx.leftovers == () and ctx.device == "cuda:0"
     assert not torch.cuda.is_initialized()
+
+
+def test_the_state_that_stays_comes_from_what_the_cell_holds():
+    """SGD without momentum keeps no state; Adam two moments; frozen parameters get neither gradients nor
+    optimizer state: the fixed part of a training step is what this model and optimizer hold."""
+    plain = nn.Linear(1000, 1000)  # 4,004,000 bytes of parameters
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1)
+    ctx = context("loss = plain(x).sum()\nloss.backward()\nsgd.step()\n", {"plain": plain, "sgd": sgd})
+    (info,) = ctx.models
+    assert info.moments == 0 and info.state_bytes == 2 * 4_004_000  # weights + gradients only
+
+    adam_model = nn.Linear(1000, 1000)
+    adam = torch.optim.Adam(adam_model.parameters())
+    ctx = context("adam_model(x).sum().backward()\nadam.step()\n", {"adam_model": adam_model, "adam": adam})
+    assert ctx.models[0].moments == 2 and ctx.models[0].state_bytes == 4 * 4_004_000
+
+    frozen = nn.Sequential(nn.Linear(1000, 1000), nn.Linear(1000, 10))
+    for p in frozen[0].parameters():
+        p.requires_grad_(False)
+    head = torch.optim.AdamW(frozen[1].parameters())
+    ctx = context("frozen(x).sum().backward()\nhead.step()\n", {"frozen": frozen, "head": head})
+    (info,) = ctx.models
+    trainable = 1000 * 10 * 4 + 10 * 4
+    assert info.trainable_bytes == trainable
+    assert info.state_bytes == info.param_bytes + 3 * trainable, "gradients + two moments of the head only"
+
+
+def test_the_scan_is_silent_and_calls_no_property():
+    import warnings
+
+    class Touchy:
+        """An object whose attribute access would show: a property and __getattr__ that record calls."""
+
+        calls: list = []
+
+        def __init__(self):
+            self.model = nn.Linear(10, 10)
+
+        @property
+        def expensive(self):
+            Touchy.calls.append("property")
+            return torch.zeros(10)
+
+        def __getattr__(self, name):
+            Touchy.calls.append(name)
+            raise AttributeError(name)
+
+    x = torch.zeros(10, requires_grad=True)
+    non_leaf = x * 2  # `.grad` of a non-leaf warns in PyTorch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctx = context("y = thing.model(non_leaf)\n", {"thing": Touchy(), "non_leaf": non_leaf})
+    assert Touchy.calls == []
+    assert any(lo.name == "thing" for lo in ctx.leftovers)
