@@ -24,6 +24,7 @@ from ..oom import OOMReport
 from ..timeline import Recording
 from . import source as cell
 from .findings import DiagnosisContext, Leftover, ModelInfo
+from .source import BatchGuess
 
 # IPython's own names: output history (`_`, `__`, `_3`, `Out`), input history (`_i`, `_ii`, `_i3`, `In`).
 IPYTHON_NAME = re.compile(r"_+|_i+|_i?\d+|_[oid]h|In|Out|exit|quit|get_ipython|__\w+__")
@@ -57,6 +58,7 @@ class NamespaceScan:
     prompt_tokens: int | None = None
     trains: bool = False
     helpers: tuple[tuple[str, str], ...] = ()
+    settings_batch: BatchGuess | None = None
 
 
 def scan_namespace(namespace: Mapping, device: str, source: str, applied: Iterable[str] = ()) -> NamespaceScan:
@@ -81,6 +83,7 @@ def scan_namespace(namespace: Mapping, device: str, source: str, applied: Iterab
             prompt_tokens=prompt_tokens(source, namespace),
             trains=trains,
             helpers=training_helpers(source, namespace),
+            settings_batch=settings_batch(source, namespace),
         )
 
 
@@ -107,7 +110,7 @@ def make_context(
         limit=recording.limit,
         device=recording.device,
         leftovers=tuple(x for x in scan.leftovers if x.name not in gone),
-        batch=cell.find_batch(source, ints, batch_name),
+        batch=cell.find_batch(source, ints, batch_name) or scan.settings_batch,
         models=scan.models,
         other_gpus=other_gpus,
         processes=processes,
@@ -177,6 +180,35 @@ def _names_in_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:
         seen |= set(frontier)
         frontier = sorted(n for n in found - seen if n in namespace)
     return names
+
+
+# An object whose `args` (HF Trainer, TRL's trainers) or `hparams` hold the batch setting its method reads.
+_EVALUATES = ("evaluate", "predict", "validate", "test")
+
+
+def settings_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch setting of a trainer the cell drives (``trainer.train()`` with its TrainingArguments made
+    in an earlier cell): ``trainer.args.per_device_train_batch_size``, or the evaluation batch when the cell
+    evaluates; with the accumulation setting beside it. Read from instance dicts only."""
+    for dotted in cell.called_names(source):
+        owner, _, method = dotted.rpartition(".")
+        if "." in owner or owner not in namespace:
+            continue
+        args = instance_dict(namespace[owner]).get("args")
+        fields = instance_dict(args)
+        evaluating = method in _EVALUATES
+        key = "per_device_eval_batch_size" if evaluating else "per_device_train_batch_size"
+        value = fields.get(key)
+        if type(value) is not int or value < 1:
+            continue
+        acc_key = "eval_accumulation_steps" if evaluating else "gradient_accumulation_steps"
+        acc = fields.get(acc_key)
+        accumulation = (f"{owner}.args.{acc_key}", acc if type(acc) is int else 1) if not evaluating else None
+        # HF's Trainer copies the training batch when it is made (`_train_batch_size`, per device x GPUs).
+        copied = instance_dict(namespace[owner]).get("_train_batch_size")
+        mirrors = ((f"{owner}._train_batch_size", copied),) if type(copied) is int and not evaluating else ()
+        return BatchGuess(f"{owner}.args.{key}", value, "attribute", accumulation, mirrors)
+    return None
 
 
 def training_helpers(source: str, namespace: Mapping, depth: int = 2) -> tuple[tuple[str, str], ...]:

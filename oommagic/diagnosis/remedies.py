@@ -267,6 +267,8 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
     else:
         new_source = None
         code = f"{guess.name} = {new}"
+        if guess.accumulation is not None and acc > 1:
+            code += f"\n{guess.accumulation[0]} = {guess.accumulation[1] * acc}"
     if new < guess.value and not (acc > 1 and keeps):
         code += "\n" + _accumulation_loop(max(acc, 2), "Accelerator" in ctx.source)
     return _made(
@@ -284,6 +286,16 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
             "accumulate": acc if keeps else 1,
             "where": guess.where,
             "keeps_effective": bool(keeps) or new >= guess.value,
+            **(
+                {"accumulation": [guess.accumulation[0], guess.accumulation[1], guess.accumulation[1] * acc]}
+                if guess.accumulation is not None and acc > 1 and keeps
+                else {}
+            ),
+            **(
+                {"mirrors": [[path, old, old * new // guess.value] for path, old in guess.mirrors]}
+                if guess.mirrors
+                else {}
+            ),
         },
         new_source=new_source,
     )
@@ -295,6 +307,9 @@ def batch_source(
     """(the cell with the batch set to ``new`` and ``acc``-step accumulation written, whether the
     accumulation was written). The cell's own setting or loop first, then the notebook functions that
     train, redefined at the top of the cell."""
+    if guess.where == "attribute":
+        # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
+        return None, guess.accumulation is not None or acc <= 1
     rewritten = rewrite_batch(source, guess, new, acc) if guess.where == "source" else source
     if rewritten is None:
         return None, False

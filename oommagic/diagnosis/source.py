@@ -46,13 +46,18 @@ class BatchGuess:
     """Where the cell's batch size lives.
 
     ``where`` is ``"source"`` (an int literal in the cell: a rewrite can change it), ``"namespace"`` (the cell
-    reads a variable that holds it) or ``"option"`` (the name came from ``--batch NAME``, the value from the
-    namespace).
+    reads a variable that holds it), ``"option"`` (the name came from ``--batch NAME``, the value from the
+    namespace) or ``"attribute"`` (a setting of an object the cell uses, ``trainer.args.
+    per_device_train_batch_size``: ``name`` is that dotted path, ``accumulation`` the path and value of the
+    object's accumulation setting, ``mirrors`` other settings that copy the batch (path, value), e.g. the
+    Trainer's ``_train_batch_size``, fixed when it was made).
     """
 
     name: str
     value: int
     where: str = "source"
+    accumulation: tuple[str, int] | None = None
+    mirrors: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,13 @@ def holding(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractConte
     kind, params = remedy.kind, remedy.params
     if kind == "batch" and params.get("where") in ("namespace", "option"):
         return _rebound(shell.user_ns, params["name"], params["new"])
+    if kind == "batch" and params.get("where") == "attribute":
+        values = {params["name"]: params["new"]}
+        if params.get("accumulation"):
+            path, _, new_steps = params["accumulation"]
+            values[path] = new_steps
+        values.update({path: new for path, _, new in params.get("mirrors", [])})
+        return _set_attributes(shell.user_ns, values)
     if kind == "autocast":
         return _autocast(device, params.get("dtype", "bfloat16"))
     if kind == "expandable_segments":
@@ -78,6 +85,29 @@ def holding(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractConte
 def _rebound(ns: dict, name: str, value: Any) -> Iterator[None]:
     # The new value stays bound after the run: it is the batch in force until the fix is removed.
     ns[name] = value
+    yield
+
+
+def set_attribute(ns: dict, path: str, value: Any) -> None:
+    """``trainer.args.per_device_train_batch_size = value`` for the dotted ``path`` from the namespace."""
+    owner, *middle, last = path.split(".")
+    obj = ns[owner]
+    for part in middle:
+        obj = getattr(obj, part)
+    object.__setattr__(obj, last, value) if _frozen(obj) else setattr(obj, last, value)
+
+
+def _frozen(obj: Any) -> bool:
+    params = getattr(type(obj), "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
+
+
+@contextlib.contextmanager
+def _set_attributes(ns: dict, values: dict[str, Any]) -> Iterator[None]:
+    # Like a rebound name, the new settings stay after the run: they are the fix in force until removed
+    # (a trial's snapshot puts them back).
+    for path, value in values.items():
+        set_attribute(ns, path, value)
     yield
 
 

@@ -76,8 +76,17 @@ class Session:
         for remedy in kept:
             source = reapply(source, remedy, run.context.helpers if run.context else ())
         undone = run.applied[index]
-        if undone.kind == "batch" and undone.params.get("where") != "source":
+        if undone.kind == "batch" and undone.params.get("where") in ("namespace", "option"):
             self.shell.user_ns[undone.params["name"]] = undone.params["old"]
+        if undone.kind == "batch" and undone.params.get("where") == "attribute":
+            from .fixes import set_attribute
+
+            set_attribute(self.shell.user_ns, undone.params["name"], undone.params["old"])
+            if undone.params.get("accumulation"):
+                path, old_steps, _ = undone.params["accumulation"]
+                set_attribute(self.shell.user_ns, path, old_steps)
+            for path, old, _ in undone.params.get("mirrors", []):
+                set_attribute(self.shell.user_ns, path, old)
         spec = RunSpec(
             source=source,
             options=run.options,

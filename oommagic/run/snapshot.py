@@ -68,14 +68,19 @@ class UserState:
                     "or --plan-budget 0 to skip trials."
                 )
         state = cls(namespace=dict(namespace), nbytes=nbytes)
+        seen: set[int] = set()
         for value in namespace.values():
             kind = type(value)
             if kind in (list, dict, set):
                 state.contents.append((value, copy.copy(value)))
             elif not issubclass(kind, (torch.Tensor, torch.nn.Module)) and kind.__module__ != "builtins":
-                attrs = instance_dict(value)
-                if attrs:
-                    state.attributes.append((value, dict(attrs)))
+                # The object and the plain objects it holds (a Trainer's `args`, its `state`): two levels.
+                for obj in [value, *instance_dict(value).values()]:
+                    attrs = instance_dict(obj)
+                    plain = not issubclass(type(obj), (torch.Tensor, torch.nn.Module))
+                    if attrs and plain and id(obj) not in seen:
+                        seen.add(id(obj))
+                        state.attributes.append((obj, dict(attrs)))
         with torch.no_grad():
             for t in tensors:
                 saved = t.detach().to("cpu", copy=True)
