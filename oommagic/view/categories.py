@@ -19,6 +19,9 @@ COLOURS = {
     "outside": "#7f7f7f",
     "others": "#333333",
 }
+_FREE = "repeating-linear-gradient(45deg,#f3f3f3,#f3f3f3 4px,#e6e6e6 4px,#e6e6e6 8px)"
+_ASKED = "box-sizing:border-box;border:2px dashed #c0392b;background:#fbeaea"
+_MARKER = "position:absolute;top:-3px;bottom:-3px;"
 _AT = {"failure": "at the failure", "peak": "at the peak", "end": "at the end"}
 
 
@@ -40,7 +43,8 @@ def bar_html(run: CellRun, width_px: int = 760) -> str:
     bd = run.categories
     if bd is None:
         return ""
-    scale = max(bd.budget or 0, bd.total, 1)
+    asked = run.report.requested if run.outcome == "oom" and run.report is not None else None
+    scale = max(bd.budget or 0, bd.total + (asked or 0), 1)
     cells = []
     for key, n in bd.nonzero():
         pct = 100 * n / scale
@@ -49,11 +53,18 @@ def bar_html(run: CellRun, width_px: int = 760) -> str:
             f"<div title='{_esc(label)}' style='width:{pct:.3f}%;background:{COLOURS[key]};"
             "height:100%'></div>"
         )
-    free = (bd.budget or 0) - bd.total
+    # The request that did not fit starts where the held memory ends and runs past the budget's marker;
+    # what stays free after it (a request that failed on fragmentation) is hatched.
+    if asked:
+        cells.append(
+            f"<div title='requested {_esc(format_bytes(asked))}, did not fit' "
+            f"style='width:{100 * asked / scale:.3f}%;height:100%;{_ASKED}'></div>"
+        )
+    free = (bd.budget or 0) - bd.total - (asked or 0)
     if free > 0:
         cells.append(
-            f"<div title='free {_esc(format_bytes(free))}' style='flex:1;height:100%;background:"
-            "repeating-linear-gradient(45deg,#f3f3f3,#f3f3f3 4px,#e6e6e6 4px,#e6e6e6 8px)'></div>"
+            f"<div title='free {_esc(format_bytes(free))}' style='width:{100 * free / scale:.3f}%;"
+            f"height:100%;background:{_FREE}'></div>"
         )
     legend = "".join(
         f"<span style='margin-right:1.1em;white-space:nowrap'><span style='display:inline-block;width:0.8em;"
@@ -63,14 +74,20 @@ def bar_html(run: CellRun, width_px: int = 760) -> str:
         for key, n in bd.nonzero()
     )
     budget = f" of {format_bytes(bd.budget)}" if bd.budget else ""
-    over = " — over the budget" if bd.budget and bd.total > bd.budget else ""
+    over = f"; the request of {format_bytes(asked)} that did not fit is dashed" if asked else ""
     head = (
         f"<div style='color:#555'><b style='color:#222'>Memory {_esc(moment(run))}</b>: "
         f"{_esc(format_bytes(bd.total))}{_esc(budget)}{_esc(over)}{_esc(_measured(bd))}</div>"
     )
+    marker = ""
+    if bd.budget and scale > bd.budget:
+        marker = (
+            f"<div title='budget {_esc(format_bytes(bd.budget))}' style='{_MARKER}"
+            f"left:{100 * bd.budget / scale:.3f}%;border-left:2px solid #c0392b'></div>"
+        )
     bar = (
-        f"<div class='oommagic-bar' style='display:flex;height:18px;max-width:{width_px}px;border:1px solid "
-        f"#bbb;border-radius:3px;overflow:hidden;margin:0.25em 0'>{''.join(cells)}</div>"
+        f"<div class='oommagic-bar' style='position:relative;display:flex;height:18px;max-width:{width_px}px;"
+        f"border:1px solid #bbb;border-radius:3px;margin:0.25em 0'>{''.join(cells)}{marker}</div>"
     )
     return f"<div class='oommagic-categories'>{head}{bar}<div style='font-size:0.92em'>{legend}</div></div>"
 
@@ -135,7 +152,7 @@ def run_label(run: CellRun, number: int) -> str:
     return f"#{number} {run.change or 'as written'} ({outcome})"
 
 
-def side_by_side_html(a: CellRun, b: CellRun, label_a: str, label_b: str) -> str:
+def side_by_side_html(a: CellRun, b: CellRun, label_a: str, label_b: str, title: bool = True) -> str:
     """Two runs by category and by their largest allocations, with the change from ``a`` to ``b``."""
     if a.categories is None or b.categories is None:
         return ""
@@ -165,7 +182,7 @@ def side_by_side_html(a: CellRun, b: CellRun, label_a: str, label_b: str) -> str
     by_top = rows(compare_top(a.categories, b.categories), code=True)
     sep = "<tr><td colspan='4' style='padding-top:0.5em;color:#555'>largest allocations</td></tr>"
     return (
-        "<div class='oommagic-compare'><b>Side by side</b>"
+        f"<div class='oommagic-compare'>{'<b>Side by side</b>' if title else ''}"
         f"<table style='border-collapse:collapse;margin-top:0.2em'>{head}{by_cat}{sep}{by_top}</table></div>"
     )
 

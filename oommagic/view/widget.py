@@ -188,7 +188,13 @@ class ReportWidget:
         self.pick_a.observe(self._compare_picked, names="value")
         self.pick_b.observe(self._compare_picked, names="value")
         self.compare = w.HTML()
-        self.compare_box = w.VBox([w.HBox([self.pick_a, self.pick_b]), self.compare])
+        self.compare_box = w.VBox(
+            [
+                w.HTML(block("<b>Side by side</b> — any two runs of this report")),
+                w.HBox([self.pick_a, self.pick_b]),
+                self.compare,
+            ]
+        )
         self.attempts = w.HTML()
         self.table = w.HTML()
         self.save = w.Button(
@@ -302,7 +308,7 @@ class ReportWidget:
             return
         a, b = self.runs[self.pick_a.value], self.runs[self.pick_b.value]
         self.compare.value = block(
-            side_by_side_html(a, b, f"#{self.pick_a.value + 1}", f"#{self.pick_b.value + 1}")
+            side_by_side_html(a, b, f"#{self.pick_a.value + 1}", f"#{self.pick_b.value + 1}", title=False)
         )
 
     def save_snapshot(self, path: str | None = None) -> Any:
