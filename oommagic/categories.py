@@ -100,13 +100,16 @@ class Breakdown:
     ``measured`` names: "tracker" (CPU: every live tensor storage, exact), "device" (CUDA: the device's
     used memory as NVML or ``mem_get_info`` reports it), "allocator" (CUDA at the peak: reserved bytes, no
     NVML figure for that moment). ``budget`` is the limit or the capacity; ``top`` the largest
-    allocations, largest first."""
+    allocations, largest first. ``device_used`` is NVML's used memory of the device read at the same
+    moment, where there is one: the figure the parts are checked against (they are built from this
+    process's NVML figure and the other processes', not from it)."""
 
     at: str
     parts: tuple[tuple[str, int], ...]
     measured: str
     budget: int | None = None
     top: tuple[Allocation, ...] = ()
+    device_used: int | None = None
 
     @property
     def total(self) -> int:
@@ -128,6 +131,7 @@ class Breakdown:
             "measured": self.measured,
             "total": self.total,
             "budget": self.budget,
+            "device_used": self.device_used,
             "bytes": dict(self.parts),
             "labels": LABELS,
             "order": list(KEYS),
@@ -142,6 +146,7 @@ class Breakdown:
             measured=data["measured"],
             budget=data.get("budget"),
             top=tuple(Allocation.from_json(a) for a in data.get("top", ())),
+            device_used=data.get("device_used"),
         )
 
 
@@ -206,6 +211,7 @@ def breakdown(
         measured=measured,
         budget=budget,
         top=tuple(allocations[:top]),
+        device_used=device_used,
     )
 
 

@@ -19,7 +19,7 @@ from .options import Options
 from .sizes import format_bytes
 from .timeline import Recording, Timeline
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -210,7 +210,9 @@ class GpuMemMagics(Magics):
             print("%gpumem --snapshot: this run kept no snapshot (--no-timeline on a run that did not fail)")
             return
         where = write_snapshot(snapshot, path)
-        print(f"%gpumem: snapshot of run {run.id} written to {where} (open it at https://pytorch.org/memory_viz)")
+        print(
+            f"%gpumem: snapshot of run {run.id} written to {where} (open it at https://pytorch.org/memory_viz)"
+        )
 
     def _session(self) -> Any:
         from .run.session import session_for

@@ -97,6 +97,8 @@ def _measured(bd: Breakdown) -> str:
         "tracker": " (every tensor storage the CPU tracker holds)",
         "device": " (the device's used memory, NVML)",
         "allocator": " (reserved by PyTorch, plus memory outside it read at the end)",
+        "residual": " (the device's used memory; outside PyTorch is the rest: NVML lists no figure for this "
+        "process)",
     }.get(bd.measured, "")
 
 

@@ -209,7 +209,9 @@ class CudaRecorder:
             blocks,
             seen,
             at,
-            "device" if at != "peak" else "allocator",
+            # "residual": NVML lists no figure for this process (containers show host PIDs), so memory
+            # outside PyTorch is what the device's used memory leaves over: a sum true by construction.
+            "allocator" if at == "peak" else "device" if mem.process is not None else "residual",
             budget,
             reserved,
             device_used=used,
