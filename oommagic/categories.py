@@ -217,7 +217,7 @@ def breakdown(
 
 # --- replaying a recorder's events --------------------------------------------------------------------
 
-# (clock, key, bytes after the event: 0 = freed, op, line)
+# (clock, key, bytes after the event (0 or -bytes: freed), op, line)
 Event = tuple[float, int, int, "str | None", "str | None"]
 
 
@@ -228,11 +228,11 @@ def peak_index(before: int, events: Sequence[Event], start: Mapping[int, int] | 
     total = best = before
     at = -1
     for i, (_, key, nbytes, _op, _line) in enumerate(events):
-        total += nbytes - sizes.get(key, 0)
-        if nbytes:
+        if nbytes > 0:
+            total += nbytes - sizes.get(key, 0)
             sizes[key] = nbytes
         else:
-            sizes.pop(key, None)
+            total -= sizes.pop(key, 0)
         if total > best:
             best, at = total, i
     return at
@@ -241,26 +241,25 @@ def peak_index(before: int, events: Sequence[Event], start: Mapping[int, int] | 
 def live_at(start: Mapping[int, Block], events: Sequence[Event], index: int) -> dict[int, Block]:
     """The blocks alive just after event ``index`` (-1: at the start), each with the clock it died at
     (the next event on its key after ``index``; None if it outlived the events)."""
-    live = dict(start)
-    for clock, key, nbytes, op, line in events[: index + 1]:
-        if nbytes:
+    live = {k: (b.born, b.nbytes, b.op, b.line) for k, b in start.items()}
+    for i in range(index + 1):
+        clock, key, nbytes, op, line = events[i]
+        if nbytes > 0:
             old = live.get(key)
             # An event on a live key is a storage that grew in place (resize_): it keeps its birth.
-            if old is not None:
-                live[key] = Block(key, nbytes, old.born, None, old.op, old.line)
-            else:
-                live[key] = Block(key, nbytes, clock, None, op, line)
+            live[key] = (old[0], nbytes, old[2], old[3]) if old is not None else (clock, nbytes, op, line)
         else:
             live.pop(key, None)
-    pending = set(live)
-    for clock, key, _n, _op, _line in events[index + 1 :]:
-        if key in pending:
-            b = live[key]
-            live[key] = Block(b.key, b.nbytes, b.born, clock, b.op, b.line)
-            pending.discard(key)
+    died: dict[int, float] = {}
+    pending = len(live)
+    for i in range(index + 1, len(events)):
+        clock, key = events[i][0], events[i][1]
+        if key in live and key not in died:
+            died[key] = clock
+            pending -= 1
             if not pending:
                 break
-    return live
+    return {k: Block(k, n, born, died.get(k), op, line) for k, (born, n, op, line) in live.items()}
 
 
 # --- reading a breakdown ------------------------------------------------------------------------------

@@ -171,3 +171,49 @@ def test_two_runs_side_by_side_by_category(failed, shell, run_cell):
     assert by["parameters"].a == PARAMS and by["parameters"].b == 0 and by["parameters"].delta == -PARAMS
     assert rows[-1].label == "total" and rows[-1].a == run.categories.total
     assert Breakdown.from_json(run.categories.to_json()) == run.categories
+
+
+def test_the_cuda_trace_replay_breaks_down_the_peak_its_timeline_shows():
+    """The CUDA path's arithmetic on an allocator snapshot made by hand (no GPU here): the blocks alive at
+    the timeline's peak, a block from before the cell freed in it, a gradient seen at a step."""
+    from oommagic.categories import Observation, breakdown, live_at
+    from oommagic.run.capture.cuda import TraceEvents, cuda_timeline, snapshot_blocks, start_blocks
+
+    MiB = 2**20
+    old, grad, act, late = 0x1000000, 0x2000000, 0x3000000, 0x4000000
+
+    def entry(action, addr, size, t):
+        return {"action": action, "addr": addr, "size": size, "time_us": t, "frames": []}
+
+    trace = [
+        entry("alloc", grad, 2 * MiB, 10),  # a gradient, seen at the step at t=25
+        entry("alloc", act, 3 * MiB, 20),
+        entry("free_requested", old, 1 * MiB, 30),  # alive before the cell: the peak (t=20) counts it
+        entry("free_requested", act, 3 * MiB, 40),
+        entry("free_requested", grad, 2 * MiB, 45),
+        entry("alloc", late, 1 * MiB, 50),
+    ]
+    snapshot = {
+        "segments": [
+            {
+                "device": 0,
+                "total_size": 8 * MiB,
+                "blocks": [{"address": late, "size": MiB, "state": "active_allocated"}],
+            }
+        ],
+        "device_traces": [trace],
+    }
+    events = TraceEvents()
+    timeline = cuda_timeline(snapshot, 0, 0.0, (1 * MiB, 8 * MiB), [], events=events)
+    blocks, reserved = snapshot_blocks(snapshot, 0)
+    at_peak = live_at(start_blocks(events, blocks), events, events.peak)
+    bd = breakdown(
+        at_peak.values(), [Observation(25, grad, "gradients")], "peak", "allocator", None, reserved
+    )
+    assert timeline.peak_allocated == 6 * MiB == bd.total - bd["cache"]
+    assert (bd["gradients"], bd["activations"], bd["cache"]) == (2 * MiB, 4 * MiB, 2 * MiB)
+    # The same address reused after the step is not a gradient any more.
+    again = breakdown(
+        at_peak.values(), [Observation(55, grad, "gradients")], "peak", "allocator", None, reserved
+    )
+    assert again["gradients"] == 0

@@ -81,6 +81,8 @@ class CudaRecorder:
         self._busy = BusySampler(self._nvml)
         self.at_failure: Breakdown | None = None
         self.snapshot_ms: float | None = None
+        # The trace's allocs and frees as ``categories`` events, gathered by the timeline's own replay.
+        self._events = TraceEvents()
 
     def allocated(self) -> int:
         return self._torch.cuda.memory_allocated(self.index)
@@ -177,11 +179,14 @@ class CudaRecorder:
         if not self.timeline:
             self._snapshot = None  # segments only: nothing a viewer's timeline could show
             return self._breakdown(blocks, seen + self._steps.first, reserved, "end")
-        start, events = trace_events(
-            snap, self.index, self._start * 1e6 if not self._owned_history else 0.0, blocks
-        )
-        before = sum(b.nbytes for b in start.values())
-        index = peak_index(before, events, {k: b.nbytes for k, b in start.items()})
+        if self._events:
+            start, events, index = start_blocks(self._events, blocks), self._events, self._events.peak
+        else:
+            start, events = trace_events(
+                snap, self.index, self._start * 1e6 if not self._owned_history else 0.0, blocks
+            )
+            before = sum(b.nbytes for b in start.values())
+            index = peak_index(before, events, {k: b.nbytes for k, b in start.items()})
         at_peak = live_at(start, events, index)
         tl = timeline
         peak_reserved = (
@@ -240,6 +245,7 @@ class CudaRecorder:
                 origin_us=self._start * 1e6,
                 before=self._before,
                 steps=steps,
+                events=self._events,
             )
         else:
             timeline = Timeline(
@@ -273,15 +279,21 @@ def cuda_timeline(
     before: tuple[int, int],
     steps: list[float],
     origin_us: float | None = None,
+    events: TraceEvents | None = None,
 ) -> Timeline:
     """Replay the allocator trace of device ``index`` from ``start_us`` on, starting from ``before``
     (allocated, reserved); times are seconds from ``origin_us`` (default ``start_us``).
     ``memory_allocated`` counts a block when it is handed out and uncounts it at ``free_requested``, so
-    the replay's maximum equals ``max_memory_allocated``."""
+    the replay's maximum equals ``max_memory_allocated``. ``events``, when given, receives every alloc and
+    free as a ``categories`` event (µs, address, bytes or -bytes freed, None, Python line) and the index
+    of the one after which allocated memory peaked, in the same pass."""
     origin = start_us if origin_us is None else origin_us
     traces = snapshot.get("device_traces") or []
     entries = traces[index] if index < len(traces) else []
     allocated, reserved = before
+    gather = events is not None
+    append = events.append if events is not None else None
+    top, peak = allocated, -1
     t: list[float] = [0.0]
     a: list[int] = [allocated]
     r: list[int] = [reserved]
@@ -295,6 +307,14 @@ def cuda_timeline(
         size = -(-e.get("size", 0) // 512) * 512
         if action in _ALLOC_DELTA:
             allocated += _ALLOC_DELTA[action] * size
+            if gather:
+                if action == "alloc":
+                    frames = e.get("frames")
+                    append((when, e["addr"], size, None, user_line(frames) if frames else None))
+                    if allocated > top:
+                        top, peak = allocated, len(events) - 1
+                else:
+                    append((when, e["addr"], -size, None, None))
         elif action in _RESERVE_DELTA:
             reserved += _RESERVE_DELTA[action] * size
         elif action == "oom":
@@ -304,6 +324,8 @@ def cuda_timeline(
         t.append(max((when - origin) / 1e6, 0.0))
         a.append(allocated)
         r.append(reserved)
+    if events is not None:
+        events.top, events.peak = top, peak
     truncated = (
         len(entries) >= CUDA_TRACE_ENTRIES and bool(entries) and entries[0].get("time_us", 0) > start_us
     )
@@ -316,6 +338,14 @@ def cuda_timeline(
         truncated=truncated,
         events=len(t) - 1,
     )
+
+
+class TraceEvents(list):
+    """``categories`` events replayed from the allocator trace; ``peak`` the index of the event after
+    which allocated memory was highest (-1: at the start), ``top`` that level."""
+
+    peak: int = -1
+    top: int = 0
 
 
 def snapshot_blocks(snapshot: dict, index: int) -> tuple[list[Block], int]:
@@ -351,11 +381,27 @@ def trace_events(
         elif action == "free_requested":
             if addr not in born:
                 start.setdefault(addr, Block(addr, size))
-            events.append((e.get("time_us", 0), addr, 0, None, None))
+            events.append((e.get("time_us", 0), addr, -size, None, None))
     for b in end_blocks:
         if b.key not in born:
             start.setdefault(b.key, Block(b.key, b.nbytes, line=b.line))
     return start, events
+
+
+def start_blocks(events: list, end_blocks: list[Block]) -> dict[int, Block]:
+    """The blocks alive before the first of ``events``: freed without being allocated in them (a free
+    carries its size, negated), or alive at the end without an alloc among them."""
+    born: set[int] = set()
+    start: dict[int, Block] = {}
+    for _, addr, size, _op, _line in events:
+        if size > 0:
+            born.add(addr)
+        elif addr not in born and addr not in start:
+            start[addr] = Block(addr, -size)
+    for b in end_blocks:
+        if b.key not in born:
+            start.setdefault(b.key, b)
+    return start
 
 
 def user_line(frames: Any) -> str | None:
