@@ -121,10 +121,18 @@ def python_line() -> str | None:
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith(_SKIPPED_DIRS):
-            code = linecache.getline(filename, frame.f_lineno).strip()
-            return f"{_short_file(filename)}:{frame.f_lineno} {code}".rstrip()
+            where = (filename, frame.f_lineno)
+            line = _LINES.get(where)
+            if line is None:
+                code = linecache.getline(filename, frame.f_lineno).strip()
+                line = _LINES[where] = f"{_short_file(filename)}:{frame.f_lineno} {code}".rstrip()
+            return line
         frame = frame.f_back
     return None
+
+
+# (file, line) -> its text: a loop makes the same lines thousands of times.
+_LINES: dict[tuple[str, int], str] = {}
 
 
 def _skipped_dirs() -> tuple[str, ...]:

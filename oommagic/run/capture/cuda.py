@@ -205,7 +205,8 @@ class CudaRecorder:
             # No NVML: the device's used memory from the driver; the rest of this process's memory outside
             # PyTorch cannot be told from other processes.
             free, total = self._torch.cuda.mem_get_info(self.index)
-            return breakdown(blocks, seen, at, "device", budget, reserved, device_used=total - free)
+            measured = "allocator" if at == "peak" else "residual"
+            return breakdown(blocks, seen, at, measured, budget, reserved, device_used=total - free)
         process = mem.process
         if process is not None and end_reserved is not None:
             process = process - end_reserved + reserved  # outside PyTorch read at the end, moved to the peak
