@@ -1,5 +1,7 @@
-"""What recording a cell costs: plain vs ``%%gpumem`` (and ``--no-timeline``, which leaves the allocator
-trace off) vs PyTorch's memory history with full stacks vs a 1 kHz ``memory_allocated()`` polling thread
+"""What recording a cell costs: plain vs ``%%gpumem`` (the default: allocator trace, the optimizer steps'
+gradients for the breakdown by category, NVML busy sampling at 10 Hz, the breakdown at the peak after the
+cell), ``--no-timeline`` (the allocator trace off) and ``--stacks`` (the Python line of every allocation)
+vs PyTorch's memory history with full stacks vs a 1 kHz ``memory_allocated()`` polling thread
 (ipyexperiments-style) vs a 10 Hz NVML polling thread.
 
 Two workloads, each run as a real IPython cell through ``shell.run_cell`` (the plain baseline too, so
@@ -33,7 +35,15 @@ import models
 import report
 import torch
 
-VARIANTS = ("plain", "%%gpumem", "%%gpumem --no-timeline", "history stacks=all", "poll 1 kHz", "NVML 10 Hz")
+VARIANTS = (
+    "plain",
+    "%%gpumem",
+    "%%gpumem --no-timeline",
+    "%%gpumem --stacks",
+    "history stacks=all",
+    "poll 1 kHz",
+    "NVML 10 Hz",
+)
 HISTORY_ENTRIES = 1_000_000
 GOALS = {"training": 1.01, "small-op": 1.05}
 READING = """
@@ -176,7 +186,9 @@ def run_variant(shell, variant: str, source: str, device: str, nvml, snapshot: b
         if cuda:
             m.reported = run.peak_allocated
             m.timeline_peak = run.timeline.peak_allocated if variant == "%%gpumem" else None
-        m.note = f"{run.timeline.events} trace events" if variant == "%%gpumem" else "no timeline"
+        m.note = "no timeline" if "no-timeline" in variant else f"{run.timeline.events} trace events"
+        if run.categories is not None:
+            m.note += f"; categories at the {run.categories.at}"
     elif history:
         m.note = f"stacks={HISTORY_STACKS[0]}"
     elif variant == "poll 1 kHz":
@@ -210,7 +222,7 @@ def start_history() -> None:
 
 def measure(shell, name: str, steps: int, rounds: int, device: str, nvml, deadline: float) -> Results:
     """One warm-up round, then ``rounds`` rounds of every variant, the order rotating each round."""
-    on_cpu = ("plain", "%%gpumem", "%%gpumem --no-timeline", "poll 1 kHz")
+    on_cpu = ("plain", "%%gpumem", "%%gpumem --no-timeline", "%%gpumem --stacks", "poll 1 kHz")
     variants = [v for v in VARIANTS if device.startswith("cuda") or v in on_cpu]
     if nvml is None and "NVML 10 Hz" in variants:
         variants.remove("NVML 10 Hz")
@@ -297,6 +309,13 @@ def summarise(name: str, res: Results, device: str, judged: bool) -> tuple[list[
     if worst is not None:
         report.summary(
             f"capture {name}: %%gpumem peak error", f"{worst:+d} B", "0 B", worst == 0 if judged else None
+        )
+    if "%%gpumem --stacks" in ratios:
+        report.summary(
+            f"capture {name}: %%gpumem --stacks time/step vs plain",
+            f"{ratios['%%gpumem --stacks']:.4f}×",
+            "(the cost of --stacks, off by default)",
+            None,
         )
     if "%%gpumem --no-timeline" in ratios:
         report.summary(

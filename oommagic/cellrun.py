@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from .categories import Breakdown
 from .diagnosis.findings import DiagnosisContext, Finding, Remedy
 from .oom import OOMReport
 from .options import Options
@@ -28,7 +29,10 @@ class CellRun:
     ``outcome`` is ``"ok"``, ``"oom"``, ``"error"`` (another exception) or ``"interrupted"``. Bytes are
     ``int``; ``capacity`` is the card's (or the emulated card's) total, ``limit`` the per-process cap that
     ``--limit`` set, if any. ``applied`` are the fixes in force, in the order they were applied; ``plan``
-    the measured fix plan after an out-of-memory error.
+    the measured fix plan after an out-of-memory error. ``categories`` is the memory by category (at the
+    failure, else at the peak, else at the end: ``categories.at`` says which) with the largest live
+    allocations; ``gpu_busy`` the mean GPU busy percentage NVML saw during the cell (CUDA only);
+    ``snapshot_ms`` how long the allocator snapshot at the failure took.
     """
 
     source: str
@@ -49,6 +53,9 @@ class CellRun:
     wall_s: float = 0.0
     parent: str | None = None
     original: str | None = None
+    categories: Breakdown | None = None
+    gpu_busy: float | None = None
+    snapshot_ms: float | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     # Thin readers over the recording: one source of truth for every figure.
@@ -103,6 +110,23 @@ class CellRun:
         """The fixes in force, as a person reads them ("Gradient checkpointing + Batch 64 → 32")."""
         return " + ".join(r.title for r in self.applied) or None
 
+    @property
+    def batch(self) -> int | None:
+        """The micro-batch this run ran with, where a batch fix set it (None otherwise)."""
+        for r in reversed(self.applied):
+            if r.kind == "batch" and isinstance(r.params.get("new"), int):
+                return r.params["new"]
+        return None
+
+    def under_use(self) -> str | None:
+        """After a run that fits with a batch fix: a sentence when the budget would hold a much larger
+        micro-batch by the activations' share of this run (the fix cut too deep), else None."""
+        from .categories import under_use
+
+        if self.outcome != "ok" or self.categories is None or self.batch is None or not self.budget:
+            return None
+        return under_use(self.categories, self.batch, self.budget)
+
     def headline(self) -> str:
         """One line a person reads first."""
         if self.outcome == "oom" and self.report is not None:
@@ -153,6 +177,10 @@ class CellRun:
             "findings": [f.to_json() for f in self.findings],
             "plan": self.plan.to_json() if self.plan is not None else None,
             "change": self.change,
+            "categories": self.categories.to_json() if self.categories is not None else None,
+            "gpu_busy": self.gpu_busy,
+            "snapshot_ms": self.snapshot_ms,
+            "under_use": self.under_use(),
         }
 
     def to_json_str(self) -> str:

@@ -106,7 +106,19 @@ class GpuMemMagics(Magics):
         action="store_true",
         help="show the memory report for a cell that fails with another error too (it still fails)",
     )
-    @argument("--stacks", action="store_true", help="record the Python line of each allocation (slower)")
+    @argument(
+        "--stacks",
+        action="store_true",
+        help="record the Python line that made each allocation, shown with the largest allocations (costs "
+        "a frame walk per allocation on CPU and Python stacks in the allocator trace on CUDA)",
+    )
+    @argument(
+        "--snapshot",
+        metavar="FILE",
+        help="write the allocator snapshot (taken at the failure, else at the end) for PyTorch's memory "
+        "viewer: a pickle for pytorch.org/memory_viz, or its HTML page for FILE.html. As a line magic, "
+        "%%gpumem --snapshot FILE writes the last run's",
+    )
     @argument("-o", dest="output", metavar="NAME", help="store the CellRun in the user namespace as NAME")
     @line_cell_magic
     def gpumem(self, line: str = "", cell: str | None = None) -> CellRun | None:
@@ -125,7 +137,8 @@ class GpuMemMagics(Magics):
         exactly and ``--limit`` emulates a card of that size.
 
         As a line magic (``%gpumem``) it prints each visible GPU: used/total, this process's
-        allocated/reserved memory and the other processes on it (NVML).
+        allocated/reserved memory and the other processes on it (NVML); ``%gpumem --snapshot FILE``
+        writes the last run's allocator snapshot for PyTorch's memory viewer (pytorch.org/memory_viz).
 
         Examples::
 
@@ -138,13 +151,12 @@ class GpuMemMagics(Magics):
         __tracebackhide__ = True  # the cell's own error shows its own frames, not the magic's
         if cell is None:
             if line.strip():
-                raise UsageError(
-                    f"%gpumem takes no options (got {line.strip()!r}); %%gpumem is the cell magic"
-                )
+                return self._line_snapshot(line)
             print(device_status())
             return None
         try:
-            options = Options.from_args(parse_argstring(self.gpumem, line))
+            args = parse_argstring(self.gpumem, line)
+            options = Options.from_args(args)
         except UsageError as err:
             usage = self.gpumem.parser.format_usage().strip().replace("usage: ", "", 1)
             raise UsageError(f"{err}\nusage: %%{usage} (see %%gpumem?)") from None
@@ -169,7 +181,38 @@ class GpuMemMagics(Magics):
             raise UsageError(str(err)) from None
         for w in caught:
             print(f"%%gpumem: {w.message}")
+        if args.snapshot:
+            self._write_snapshot(session, run, args.snapshot)
         return self._finish(session, run)
+
+    def _line_snapshot(self, line: str) -> None:
+        """``%gpumem --snapshot FILE``: the last run's snapshot to FILE; any other option is the cell's."""
+        try:
+            args = parse_argstring(self.gpumem, line)
+        except UsageError:
+            args = None
+        others = {k: v for k, v in vars(args).items() if v and k != "snapshot"} if args else {"?": 1}
+        if args is None or not args.snapshot or others:
+            raise UsageError(
+                f"%gpumem takes only --snapshot FILE (got {line.strip()!r}); %%gpumem is the cell magic"
+            )
+        session = self._session()
+        if not session.history:
+            raise UsageError("%gpumem --snapshot: no %%gpumem run in this kernel yet")
+        self._write_snapshot(session, session.history[-1], args.snapshot)
+
+    def _write_snapshot(self, session: Any, run: CellRun, path: str) -> None:
+        from .run.capture.snapshot_file import write_snapshot
+
+        take = session.snapshots.get(run.id)
+        snapshot = take() if take is not None else None
+        if snapshot is None:
+            print("%gpumem --snapshot: this run kept no snapshot (--no-timeline on a run that did not fail)")
+            return
+        where = write_snapshot(snapshot, path)
+        print(
+            f"%gpumem: snapshot of run {run.id} written to {where} (open it at https://pytorch.org/memory_viz)"
+        )
 
     def _session(self) -> Any:
         from .run.session import session_for

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..categories import Breakdown
 from ..diagnosis.context import NamespaceScan
 from ..oom import OOMReport, is_oom, parse_oom
 from ..timeline import Recording
@@ -56,6 +57,10 @@ class Attempt:
     wall_s: float = 0.0
     steps: int = 0
     stopped_by: str | None = None
+    categories: Breakdown | None = None
+    busy: float | None = None
+    snapshot: Any = None  # () -> the allocator snapshot dict (memory_viz format), or None
+    snapshot_ms: float | None = None
 
 
 class _Catch:
@@ -103,11 +108,12 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
     """
     from ..diagnosis.context import scan_namespace
     from .capture import open_recorder
+    from .capture.roles import frames_of
     from .fixes import in_force
 
     options = spec.options
     limit = bounds.limit if bounds is not None and bounds.limit is not None else options.limit
-    recorder = open_recorder(options.device, limit, timeline=options.timeline)
+    recorder = open_recorder(options.device, limit, timeline=options.timeline, stacks=options.stacks)
     catch = _Catch(shell)
     ids_before = {name: id(value) for name, value in shell.user_ns.items()}
     attempt = Attempt(recording=Recording(device=recorder.device), started=time.time())
@@ -137,6 +143,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
             attempt.outcome = "oom"
             attempt.report = _report(exc, recorder.exact)
             if scan:
+                _what_filled(recorder, [shell.user_ns, *frames_of(exc.__traceback__)])
                 attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec)
             if not options.keep:
                 attempt.dropped = drop_bound_by_cell(shell.user_ns, ids_before, recorder.device)
@@ -151,6 +158,11 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         if interrupted:
             attempt.outcome = "interrupted"
     attempt.recording = recorder.recording()
+    if scan:
+        attempt.categories = _what_filled(recorder, [shell.user_ns], attempt.recording.timeline)
+        attempt.snapshot = recorder.snapshot
+        attempt.snapshot_ms = getattr(recorder, "snapshot_ms", None)
+        attempt.busy = getattr(recorder, "busy", None)
     if held_at_failure is not None:
         attempt.freed = max(held_at_failure - attempt.recording.after_allocated, 0)
     return attempt
@@ -201,6 +213,18 @@ def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
             yield counter
     finally:
         handle.remove()
+
+
+def _what_filled(recorder: Any, spaces: list, timeline: Any = None) -> Breakdown | None:
+    """The recorder's breakdown by category: at the failure (no ``timeline``: the moment is now), else at
+    the peak or the end. A bug here must not hide the report: it says so and the figures stand."""
+    try:
+        if timeline is None:
+            return recorder.capture_failure(spaces)
+        return recorder.categories(spaces, timeline)
+    except Exception as err:
+        print(f"%%gpumem: the breakdown by category failed ({type(err).__name__}: {err}); the figures stand")
+        return None
 
 
 def _scan(scan_namespace: Any, namespace: dict, device: str, spec: RunSpec) -> NamespaceScan | None:

@@ -17,6 +17,9 @@ from ..diagnosis.findings import Remedy
 from .fixes import spec_of, spec_with
 from .runner import Attempt, Bounds, RunSpec, execute
 
+# Allocator snapshots kept for "Save snapshot" (each up to the trace's 500k entries).
+KEPT_SNAPSHOTS = 4
+
 
 class Session:
     """The ``%%gpumem`` runs of one shell, and the actions that make new ones.
@@ -37,6 +40,8 @@ class Session:
         self.budget_rule = (8.0, 30.0, 300.0)
         self._errors: dict[str, BaseException] = {}
         self.last_snapshot_bytes = 0
+        # run id -> () -> allocator snapshot, for the last few runs (`%gpumem --snapshot`, the button).
+        self.snapshots: dict[str, Callable[[], dict | None] | None] = {}
 
     # --- the actions ----------------------------------------------------------------------------------
 
@@ -166,6 +171,9 @@ class Session:
             wall_s=attempt.wall_s,
             parent=spec.parent,
             original=spec.original,
+            categories=attempt.categories,
+            gpu_busy=attempt.busy,
+            snapshot_ms=attempt.snapshot_ms,
         )
 
     def _plan(self, run: CellRun) -> Any:
@@ -188,6 +196,9 @@ class Session:
         if attempt.error is not None:
             self._errors[run.id] = attempt.error
         self.history.append(run)
+        self.snapshots[run.id] = attempt.snapshot
+        while len(self.snapshots) > KEPT_SNAPSHOTS:
+            self.snapshots.pop(next(iter(self.snapshots)))
         if self._publish is not None:
             with contextlib.suppress(Exception):
                 self._publish(run)

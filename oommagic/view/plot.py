@@ -17,7 +17,10 @@ def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.4) -> bytes
     from matplotlib.figure import Figure
 
     tl = run.timeline.downsample(800)
-    scale, unit = (GIB, "GiB") if max(run.peak_reserved, run.budget or 0) >= GIB / 2 else (1024**2, "MiB")
+    # The frame: the limit, else the card; in CPU mode without a limit the host's memory would flatten
+    # the curve, so the curve alone.
+    frame = run.limit or (run.capacity if run.device != "cpu" else None)
+    scale, unit = (GIB, "GiB") if max(run.peak_reserved, frame or 0) >= GIB / 2 else (1024**2, "MiB")
     fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -27,9 +30,11 @@ def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.4) -> bytes
         ax.step(tl.t, [a / scale for a in tl.allocated], where="post", color="#3b75af", label="allocated")
     if run.options.no_timeline:
         # The start and the end only: draw the exact peak the line between them cannot show.
-        ax.axhline(run.peak_allocated / scale, color="#3b75af", lw=1, ls=":", label="peak allocated")
-        ax.set_title("--no-timeline: the start, the end and the peak only", fontsize=8)
-    if run.capacity and run.capacity != run.limit:
+        ax.axhline(
+            run.peak_allocated / scale, color="#3b75af", lw=1, ls=":", label="peak (--no-timeline: no curve)"
+        )
+    # A capacity far above the limit would squash the curve: with a limit, the limit is the frame.
+    if run.capacity and run.limit is None and frame:
         ax.axhline(run.capacity / scale, color="#444", lw=1, ls="--", label="capacity")
     if run.limit:
         ax.axhline(run.limit / scale, color="#c0392b", lw=1, ls="--", label="limit")
@@ -37,15 +42,31 @@ def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.4) -> bytes
         ax.axvline(step, color="#8e44ad", lw=0.6, alpha=0.5)
     if tl.steps:
         ax.plot([], [], color="#8e44ad", lw=0.6, label="optimizer step")
+    top = max(run.peak_reserved, frame or 0, max(tl.reserved, default=0), 1) / scale
+    ax.set_ylim(0, top * 1.12)
     if tl.oom_at is not None:
         ax.axvline(tl.oom_at, color="#c0392b", lw=1.5)
-        ax.annotate("OOM", (tl.oom_at, ax.get_ylim()[1]), color="#c0392b", ha="right", va="top", fontsize=8)
+        # Inside the frame, left of the line, in axes height: never cut by the top edge.
+        ax.annotate(
+            "OOM",
+            (tl.oom_at, 0.97),
+            xycoords=("data", "axes fraction"),
+            xytext=(-3, 0),
+            textcoords="offset points",
+            color="#c0392b",
+            ha="right",
+            va="top",
+            fontsize=8,
+            fontweight="bold",
+        )
     ax.set_xlabel("seconds", fontsize=8)
     ax.set_ylabel(unit, fontsize=8)
     ax.tick_params(labelsize=7)
-    ax.set_ylim(bottom=0)
     ax.margins(x=0.01)
-    ax.legend(fontsize=7, loc="upper left", frameon=False, ncol=5)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    # Above the axes, outside the curves and the limit line.
+    ax.legend(fontsize=7, loc="lower left", bbox_to_anchor=(0, 1.0), frameon=False, ncol=6, borderaxespad=0.2)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")

@@ -45,26 +45,53 @@ def figures(run: CellRun) -> list[tuple[str, str]]:
         rows.append(("names the failed cell bound, dropped", names))
     if run.timeline.steps:
         rows.append(("optimizer steps", str(len(run.timeline.steps))))
+    if run.gpu_busy is not None:
+        rows.append(("GPU busy (NVML, 10 Hz)", f"{run.gpu_busy:.0f}%"))
+    if run.snapshot_ms is not None:
+        rows.append(("allocator snapshot at the failure", f"{run.snapshot_ms:.1f} ms"))
     return rows
 
 
+def fitted_lines(run: CellRun) -> list[str]:
+    """After a run that fits: headroom, how busy the GPU was, and a batch that cut too deep."""
+    if run.outcome != "ok":
+        return []
+    parts = []
+    if run.headroom is not None and run.budget:
+        parts.append(f"headroom {format_bytes(run.headroom)} ({run.headroom / run.budget:.0%} of the budget)")
+    if run.gpu_busy is not None:
+        parts.append(f"GPU busy {run.gpu_busy:.0f}%")
+    lines = ["; ".join(parts)] if parts else []
+    under = run.under_use()
+    if under:
+        lines.append(under)
+    return lines
+
+
 def render_text(run: CellRun, findings: int = 5) -> str:
-    """The report as plain text: headline, figures, top findings with their remedies."""
+    """The report as plain text, in the widget's order: headline, memory by category, the fix plan, the
+    findings, the largest allocations, the figures."""
+    from .categories import bar_text, top_text
+
     status = {"ok": "ok", "oom": "OUT OF MEMORY", "error": "error", "interrupted": "interrupted"}[run.outcome]
     lines = [f"%%gpumem [{status}] {run.headline()}"]
     if run.applied:
         lines.append(f"  fixes in force: {run.change}")
+    lines += [f"  {line}" for line in fitted_lines(run)]
+    lines += bar_text(run)
     plan = run.plan
     if plan is not None and plan.entries and run.outcome == "oom":
         lines.append(f"fix plan: {plan.summary}")
         if plan.unfittable:
             lines.append(f"  {plan.unfittable}")
         lines += [f"  {i}. {e.title}: {e.line()}" for i, e in enumerate(plan.entries, 1)]
-    width = max(len(label) for label, _ in figures(run))
-    lines += [f"  {label:<{width}}  {value}" for label, value in figures(run)]
     for f in run.findings[:findings]:
         lines.append(f"- {f.title}: {f.evidence}")
         lines += [f"    fix: {r.title}" for r in f.remedies[:3]]
+    lines += top_text(run)
+    width = max(len(label) for label, _ in figures(run))
+    lines.append("figures:")
+    lines += [f"  {label:<{width}}  {value}" for label, value in figures(run)]
     if run.timeline.truncated:
         lines.append("  (the timeline lost its earliest events: the cell made more than the trace keeps)")
     if run.options.no_timeline:

@@ -1,5 +1,6 @@
-"""The report widget: headline, the fix plan with its buttons, the fixes in force, the timeline, the
-findings, and the figures folded away.
+"""The report widget, in the order a person reads it: a one-line headline, the memory by category against
+the budget, the timeline, the fix plan with its buttons, the fixes in force, the findings, the largest
+allocations, two runs side by side, and the figures folded away.
 
 A view of ``CellRun`` records: it renders a run and forwards clicks to the session it was given
 (``actions``: ``retry``, ``remove``, ``search``, ``pending_error``); it executes nothing itself. A click
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import html
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +20,9 @@ from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
 from ..diagnosis.plan import FITS, PlanEntry
 from ..sizes import format_bytes
+from .categories import bar_html, run_label, side_by_side_html, top_html
 from .plot import timeline_png
-from .text import figures, render_text
+from .text import figures, fitted_lines, render_text
 
 _STATUS = {
     "ok": ("ok", "#2e7d32"),
@@ -30,8 +33,24 @@ _STATUS = {
 _VERDICT_COLOUR = {FITS: "#2e7d32", "does not fit": "#c0392b"}
 
 
+# One size for every button of the report; a longer title is cut, the tooltip carries it whole.
+BUTTON = {"width": "19em", "height": "2.1em"}
+# JupyterLab gives widget HTML the line height of a widget row (28 px): wrapped text would read
+# double-spaced. Every block sets its own.
+_BLOCK = "line-height:1.4;margin:0.35em 0"
+
+
 def _esc(text: object) -> str:
     return html.escape(str(text), quote=True)
+
+
+def _rich(text: object) -> str:
+    """Escaped text with `code` spans (the findings' convention) as <code>."""
+    return re.sub(r"`([^`]+)`", r"<code>\1</code>", _esc(text))
+
+
+def block(inner: str) -> str:
+    return f"<div style='{_BLOCK}'>{inner}</div>" if inner else ""
 
 
 @dataclass(frozen=True)
@@ -69,15 +88,16 @@ def headline_html(run: CellRun, fitted_after: CellRun | None = None) -> str:
     )
     if run.outcome == "ok" and run.applied:
         line += f"<div style='color:#2e7d32'>with {_esc(run.change)}</div>"
-    return line
+    line += "".join(f"<div style='color:#555'>{_esc(x)}</div>" for x in fitted_lines(run))
+    return block(line)
 
 
 def figures_html(run: CellRun) -> str:
     cells = "".join(
-        f"<tr><td style='padding:0 1em 0 0;color:#555'>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
+        f"<tr><td style='padding:0.05em 1.5em 0.05em 0;color:#555'>{_esc(k)}</td><td>{_esc(v)}</td></tr>"
         for k, v in figures(run)
     )
-    return (
+    return block(
         "<details class='oommagic-figures'><summary>Figures</summary>"
         f"<table style='border-collapse:collapse'>{cells}</table></details>"
     )
@@ -88,26 +108,26 @@ def plan_html(run: CellRun) -> str:
     if plan is None or not plan.entries:
         return ""
     rows = "".join(
-        f"<tr><td style='padding:0.1em 1em 0.1em 0'>{_esc(e.title)}</td>"
+        f"<tr><td style='padding:0.1em 1.5em 0.1em 0'>{_esc(e.title)}</td>"
         f"<td style='color:{_VERDICT_COLOUR.get(e.verdict, '#555')}'>{_esc(e.line())}</td></tr>"
         for e in plan.entries
     )
-    parts = [f"<div><b>Fix plan</b> — {_esc(plan.summary)}</div>"]
+    parts = [f"<div><b>Fix plan</b> — {_rich(plan.summary)}</div>"]
     if plan.unfittable:
-        parts.append(f"<div class='oommagic-unfittable' style='color:#c0392b'>{_esc(plan.unfittable)}</div>")
+        parts.append(f"<div class='oommagic-unfittable' style='color:#c0392b'>{_rich(plan.unfittable)}</div>")
     parts.append(f"<table class='oommagic-plan' style='border-collapse:collapse'>{rows}</table>")
-    return "".join(parts)
+    return block("".join(parts))
 
 
 def finding_html(finding: Any) -> str:
     saving = f" — saves ~{format_bytes(finding.saving)}" if finding.saving else ""
     parts = [
-        f"<div><b>{_esc(finding.title)}</b>{_esc(saving)}</div>",
-        f"<div style='color:#444'>{_esc(finding.evidence)}</div>",
+        f"<div><b>{_rich(finding.title)}</b>{_esc(saving)}</div>",
+        f"<div style='color:#444'>{_rich(finding.evidence)}</div>",
     ]
     for remedy in finding.remedies:
         parts.append(
-            f"<div style='margin-top:0.3em'>• <b>{_esc(remedy.title)}</b>: {_esc(remedy.explanation)}</div>"
+            f"<div style='margin-top:0.3em'>• <b>{_rich(remedy.title)}</b>: {_rich(remedy.explanation)}</div>"
         )
         if remedy.code:
             parts.append(f"<pre style='margin:0.2em 0 0 1em;font-size:0.9em'>{_esc(remedy.code)}</pre>")
@@ -115,15 +135,31 @@ def finding_html(finding: Any) -> str:
 
 
 def attempts_html(runs: list[CellRun]) -> str:
-    cell = "padding:0.1em 1.2em 0.1em 0"
+    left, right = (
+        "padding:0.1em 1.6em 0.1em 0;text-align:left",
+        "padding:0.1em 1.6em 0.1em 0;text-align:right",
+    )
     rows = "".join(
-        f"<tr><td style='{cell}'>{i}</td><td style='{cell}'>{_esc(r.change or 'as written')}</td>"
-        f"<td style='{cell}'>{_esc(_STATUS[r.outcome][0])}</td>"
-        f"<td style='{cell}'>{_esc(format_bytes(r.peak_reserved))}</td><td>{r.wall_s:.2f} s</td></tr>"
+        f"<tr><td style='{right}'>{i}</td><td style='{left}'>{_esc(r.change or 'as written')}</td>"
+        f"<td style='{left};color:{_STATUS[r.outcome][1]}'>{_esc(_STATUS[r.outcome][0])}</td>"
+        f"<td style='{right}'>{_esc(format_bytes(r.peak_reserved))}</td>"
+        f"<td style='{right}'>{r.wall_s:.2f} s</td></tr>"
         for i, r in enumerate(runs, 1)
     )
-    head = "".join(f"<th style='{cell};text-align:left'>{h}</th>" for h in ("#", "fixes", "outcome", "peak"))
-    return f"<table class='oommagic-attempts'><tr>{head}<th>time</th></tr>{rows}</table>"
+    head = "".join(
+        f"<th style='{style}'>{h}</th>"
+        for h, style in (
+            ("#", right),
+            ("fixes", left),
+            ("outcome", left),
+            ("peak reserved", right),
+            ("time", right),
+        )
+    )
+    return block(
+        f"<b>Attempts</b><table class='oommagic-attempts' style='border-collapse:collapse'><tr>{head}</tr>"
+        f"{rows}</table>"
+    )
 
 
 class ReportWidget:
@@ -139,28 +175,56 @@ class ReportWidget:
         self.runs: list[CellRun] = [run]
         self.busy = False
         self.headline = w.HTML()
+        self.bar = w.HTML()
+        self.plot = w.Image(format="png", layout=w.Layout(max_width="760px"))
         self.plan = w.HTML()
         self.fix_row = w.HBox(layout=w.Layout(flex_flow="row wrap"))
-        self.applied_row = w.HBox(layout=w.Layout(flex_flow="row wrap"))
-        self.plot = w.Image(format="png", layout=w.Layout(max_width="760px"))
-        self.findings = w.HTML()
-        self.table = w.HTML()
+        self.applied_row = w.HBox(layout=w.Layout(flex_flow="row wrap", align_items="center"))
         self.output = w.Output()
+        self.findings = w.HTML()
+        self.top = w.HTML()
+        self.pick_a = w.Dropdown(description="", layout=w.Layout(width="24em"))
+        self.pick_b = w.Dropdown(description="vs", layout=w.Layout(width="26em"))
+        self.pick_a.observe(self._compare_picked, names="value")
+        self.pick_b.observe(self._compare_picked, names="value")
+        self.compare = w.HTML()
+        self.compare_box = w.VBox(
+            [
+                w.HTML(block("<b>Side by side</b> — any two runs of this report")),
+                w.HBox([self.pick_a, self.pick_b]),
+                self.compare,
+            ]
+        )
         self.attempts = w.HTML()
+        self.table = w.HTML()
+        self.save = w.Button(
+            description="Save snapshot",
+            tooltip="write this run's allocator snapshot for PyTorch's viewer (pytorch.org/memory_viz)",
+            layout=w.Layout(**BUTTON),
+        )
+        self.save.add_class("oommagic-save-snapshot")
+        self.save.on_click(lambda b: self.save_snapshot())
+        self.tools_output = w.Output()
         self.buttons: list[Any] = []
         self._fixes: dict[Any, Fix] = {}
         self.root = w.VBox(
             [
                 self.headline,
+                self.bar,
+                self.plot,
                 self.plan,
                 self.fix_row,
                 self.applied_row,
-                self.plot,
-                self.findings,
-                self.table,
                 self.output,
+                self.findings,
+                self.top,
+                self.compare_box,
                 self.attempts,
-            ]
+                self.table,
+                w.HBox([self.save]),
+                self.tools_output,
+            ],
+            layout=w.Layout(max_width="1000px"),
         )
         self.root.add_class("oommagic-report")
         self.show(run)
@@ -177,22 +241,24 @@ class ReportWidget:
     def show(self, run: CellRun) -> None:
         w = self._w
         self.headline.value = headline_html(run)
-        self.plan.value = plan_html(run) if run.outcome == "oom" else ""
-        self.table.value = figures_html(run)
+        self.bar.value = block(bar_html(run))
         self.plot.value = timeline_png(run) if run.timeline.t else b""
+        self.plot.layout.display = None if run.timeline.t else "none"
+        self.plan.value = plan_html(run) if run.outcome == "oom" else ""
         self.findings.value = "".join(
-            f"<div class='oommagic-finding' style='margin-top:0.5em'>{finding_html(f)}</div>"
-            for f in run.findings
+            f"<div class='oommagic-finding' style='{_BLOCK}'>{finding_html(f)}</div>" for f in run.findings
         )
+        self.top.value = block(top_html(run))
+        self.table.value = figures_html(run)
         self.buttons, self._fixes = [], {}
         row = []
         if run.outcome == "oom":
             for i, fix in enumerate(offered(run)):
                 button = w.Button(
-                    description=_short(fix.title),
+                    description=_short(fix.title, 30),
                     tooltip=f"{fix.title}: {fix.line}" if fix.line else fix.title,
                     button_style="primary" if i == 0 and fix.verdict == FITS else "",
-                    layout=w.Layout(width="auto", min_width="12em"),
+                    layout=w.Layout(**BUTTON),
                 )
                 button.add_class("oommagic-fix")
                 button.add_class(f"oommagic-fix-{fix.kind.split('+')[-1].replace('_', '-')}")
@@ -203,7 +269,11 @@ class ReportWidget:
             batch = next((r for f in run.findings for r in f.remedies if r.kind == "batch"), None)
             if batch is not None:
                 name = batch.params["name"]
-                search = w.Button(description=f"Find the largest {name} that fits", layout=w.Layout(width="auto"))
+                search = w.Button(
+                    description=_short(f"Find the largest {name}", 30),
+                    tooltip=f"search the largest {name} that fits (probes, a fit, a check)",
+                    layout=w.Layout(**BUTTON),
+                )
                 search.add_class("oommagic-find-batch")
                 search.on_click(lambda b, src=run, n=name: self.find_batch(b, src, n))
                 self.buttons.append(search)
@@ -211,6 +281,53 @@ class ReportWidget:
         self.fix_row.children = row
         self.applied_row.children = self._applied(run)
         self.attempts.value = attempts_html(self.runs) if len(self.runs) > 1 else ""
+        self._show_compare()
+        take = getattr(self.actions, "snapshots", {}).get(run.id)
+        self.save.layout.display = None if take is not None else "none"
+
+    def _show_compare(self) -> None:
+        """Two runs side by side once the widget holds two: the first that failed against the latest by
+        default; the two pickers choose any two."""
+        runs = [r for r in self.runs if r.categories is not None]
+        if len(runs) < 2:
+            self.compare_box.layout.display = "none"
+            return
+        self.compare_box.layout.display = None
+        options = [(run_label(r, self.runs.index(r) + 1), self.runs.index(r)) for r in runs]
+        first = next((self.runs.index(r) for r in runs if r.outcome == "oom"), options[0][1])
+        self._picking = True
+        self.pick_a.options, self.pick_b.options = options, options
+        self.pick_a.value, self.pick_b.value = first, options[-1][1]
+        self._picking = False
+        self._compare_picked()
+
+    _picking = False
+
+    def _compare_picked(self, *_: Any) -> None:
+        if self._picking or self.pick_a.value is None or self.pick_b.value is None:
+            return
+        a, b = self.runs[self.pick_a.value], self.runs[self.pick_b.value]
+        self.compare.value = block(
+            side_by_side_html(a, b, f"#{self.pick_a.value + 1}", f"#{self.pick_b.value + 1}", title=False)
+        )
+
+    def save_snapshot(self, path: str | None = None) -> Any:
+        """Write the allocator snapshot of the run shown (``oommagic-snapshot-<id>.pickle`` here by
+        default) for PyTorch's memory viewer; returns the path, or None when the run kept none. On CPU the
+        snapshot is the tracker's, in the same format."""
+        from ..run.capture.snapshot_file import write_snapshot
+
+        run = self.latest
+        take = getattr(self.actions, "snapshots", {}).get(run.id)
+        snapshot = take() if take is not None else None
+        with self.tools_output:
+            self.tools_output.clear_output()
+            if snapshot is None:
+                print("this run kept no snapshot (--no-timeline on a run that did not fail)")
+                return None
+            where = write_snapshot(snapshot, path or f"oommagic-snapshot-{run.id}.pickle")
+            print(f"snapshot written to {where}: open it at https://pytorch.org/memory_viz")
+        return where
 
     def _applied(self, run: CellRun) -> list[Any]:
         """The fixes in force, each with a button that runs the cell again without it."""
@@ -219,7 +336,11 @@ class ReportWidget:
             return []
         items: list[Any] = [w.HTML("<b>Fixes in force:</b>")]
         for i, remedy in enumerate(run.applied):
-            undo = w.Button(description=f"✕ {_short(remedy.title, 40)}", tooltip=f"run without {remedy.title}")
+            undo = w.Button(
+                description=f"✕ {_short(remedy.title, 28)}",
+                tooltip=f"run without {remedy.title}",
+                layout=w.Layout(**BUTTON),
+            )
             undo.add_class("oommagic-remove-fix")
             undo.on_click(lambda b, i=i, src=run: self.remove(b, src, i))
             self.buttons.append(undo)
@@ -253,7 +374,9 @@ class ReportWidget:
         """Run the cell again without the fix at ``index`` of ``run.applied``."""
         if not self._accepts(button):
             return
-        self._act(lambda: self.actions.remove(run, index), f"running without: {run.applied[index].title}", run, ())
+        self._act(
+            lambda: self.actions.remove(run, index), f"running without: {run.applied[index].title}", run, ()
+        )
 
     def _act(self, action: Any, what: str, run: CellRun, fixes: tuple[Remedy, ...]) -> None:
         new = None
@@ -311,12 +434,14 @@ class ReportWidget:
 
 
 def _fitted_html(run: CellRun) -> str:
-    return (
+    extra = "".join(f"<div style='color:#555'>{_esc(x)}</div>" for x in fitted_lines(run)[1:])
+    busy = f", GPU busy {run.gpu_busy:.0f}%" if run.gpu_busy is not None else ""
+    return block(
         "<div class='oommagic-retry-ok' style='border-left:4px solid #2e7d32;padding:0.3em 0.6em'>"
         f"<b style='color:#2e7d32'>%%gpumem · fits</b> with {_esc(run.change or 'the cell as written')}: "
         f"peak {_esc(format_bytes(run.peak_reserved))} of {_esc(format_bytes(run.budget))}, headroom "
-        f"{_esc(format_bytes(run.headroom))}. The sidebar's “Apply to cell” writes this change into the "
-        "cell.</div>"
+        f"{_esc(format_bytes(run.headroom))}{_esc(busy)}. The sidebar's “Apply to cell” writes this change "
+        f"into the cell.{extra}</div>"
     )
 
 

@@ -28,10 +28,11 @@ __all__ = [
 
 
 def open_recorder(
-    device: str | None, limit: float | int | None, timeline: bool = True
+    device: str | None, limit: float | int | None, timeline: bool = True, stacks: bool = False
 ) -> CpuRecorder | CudaRecorder:
     """A recorder for ``device`` ("cpu", "cuda", "cuda:N", "N" or None = CUDA if available, else CPU);
-    ``timeline=False`` records the peak and the steps but no timeline between the start and the end.
+    ``timeline=False`` records the peak and the steps but no timeline between the start and the end;
+    ``stacks`` records the Python line of each allocation.
 
     ``limit`` is bytes (int) or a fraction of the capacity (float in (0, 1]). A byte limit at or above the
     card's capacity is dropped with a warning. Raises ``ValueError`` for a device that does not exist.
@@ -43,8 +44,9 @@ def open_recorder(
     kind, index = _resolve_device(device, torch)
     if kind == "cpu":
         capacity = host_memory()
-        return CpuRecorder(_resolve_limit(limit, capacity, warnings, "this machine's memory"), timeline)
-    recorder = CudaRecorder(index, timeline=timeline)
+        limit = _resolve_limit(limit, capacity, warnings, "this machine's memory")
+        return CpuRecorder(limit, timeline, stacks)
+    recorder = CudaRecorder(index, timeline=timeline, stacks=stacks)
     recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
     return recorder
 

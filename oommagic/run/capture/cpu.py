@@ -9,9 +9,11 @@ import time
 import weakref
 from typing import Any
 
+from ...categories import Block, Breakdown, breakdown, live_at, peak_index
 from ...oom import format_emulated_oom
 from ...timeline import Timeline
 from .record import Recording, StepMarks
+from .roles import StepRoles, cpu_key, observe
 
 
 class CpuLedger:
@@ -27,7 +29,7 @@ class CpuLedger:
         self.listener: CpuRecorder | None = None
         self._lock = threading.Lock()
 
-    def add(self, storage: Any) -> int:
+    def add(self, storage: Any, op: Any = None, line: str | None = None) -> int:
         key = storage._cdata
         nbytes = storage.nbytes()
         with self._lock:
@@ -38,7 +40,7 @@ class CpuLedger:
             self.allocated += nbytes - (old or 0)
         if old is None:
             weakref.finalize(storage, self._release, key)
-        self._notify()
+        self._notify(key, nbytes, op, line)
         return nbytes - (old or 0)
 
     def _release(self, key: int) -> None:
@@ -46,12 +48,12 @@ class CpuLedger:
             nbytes = self.live.pop(key, 0)
             self.allocated -= nbytes
         if nbytes:
-            self._notify()
+            self._notify(key, 0, None, None)
 
-    def _notify(self) -> None:
+    def _notify(self, key: int, nbytes: int, op: Any, line: str | None) -> None:
         listener = self.listener
         if listener is not None:
-            listener.sample(self.allocated)
+            listener.sample(self.allocated, key, nbytes, op, line)
 
 
 LEDGER = CpuLedger()
@@ -101,40 +103,107 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
                         fresh.append(st)
             if fresh and recorder.limit is not None:
                 recorder.check(sum(st.nbytes() - LEDGER.live.get(st._cdata, 0) for st in fresh))
+            line = python_line() if fresh and recorder.stacks else None
             for st in fresh:
-                LEDGER.add(st)
+                LEDGER.add(st, func, line)
             return out
 
     return TensorBytesTracker()
 
 
+def python_line() -> str | None:
+    """'cell:5 y = model(x)': the innermost Python line outside torch and oommagic that is running (the
+    line that made an allocation, with ``--stacks``); None where there is none."""
+    import linecache
+    import sys
+
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_SKIPPED_DIRS):
+            where = (filename, frame.f_lineno)
+            line = _LINES.get(where)
+            if line is None:
+                code = linecache.getline(filename, frame.f_lineno).strip()
+                line = _LINES[where] = f"{_short_file(filename)}:{frame.f_lineno} {code}".rstrip()
+            return line
+        frame = frame.f_back
+    return None
+
+
+# (file, line) -> its text: a loop makes the same lines thousands of times.
+_LINES: dict[tuple[str, int], str] = {}
+
+
+def _skipped_dirs() -> tuple[str, ...]:
+    import torch
+
+    return (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+
+
+def _short_file(filename: str) -> str:
+    # IPython names a cell's code <ipython-input-N-...>; ipykernel writes it to /tmp/ipykernel_PID/N.py.
+    if filename.startswith("<ipython-input") or "/ipykernel_" in filename:
+        return "cell"
+    return os.path.basename(filename)
+
+
+_SKIPPED_DIRS: tuple[str, ...] = ()
+
+
+def op_name(op: Any) -> str | None:
+    """'aten.addmm' for a dispatcher op (None stays None)."""
+    if op is None:
+        return None
+    packet = getattr(op, "overloadpacket", None)
+    return str(packet) if packet is not None else str(op)
+
+
 class CpuRecorder:
     """Tracks CPU tensor storages while a cell runs; with ``limit`` it emulates a card of that size by
     raising ``torch.OutOfMemoryError`` in PyTorch's own message format. ``timeline=False`` keeps the
-    start and the end only (the peak stays exact)."""
+    start and the end only (the peak stays exact). ``stacks`` records the Python line of each allocation.
 
-    def __init__(self, limit: int | None = None, timeline: bool = True) -> None:
+    Besides the figures it keeps what the breakdown by category needs: every storage event of the cell
+    (with the timeline), the operator (and line) that made each live storage, and the gradients seen at
+    each optimizer step."""
+
+    def __init__(self, limit: int | None = None, timeline: bool = True, stacks: bool = False) -> None:
         self.device = "cpu"
         self.limit = limit
         self.timeline = timeline
+        self.stacks = stacks
         self.capacity = limit if limit is not None else host_memory()
         self._t: list[float] = []
         self._a: list[int] = []
+        self._events: list[tuple[float, int, int, Any, str | None]] = []
+        self._made: dict[int, tuple[Any, str | None]] = {}
+        self._start_live: dict[int, int] = {}
         self._oom_at: float | None = None
         self._marks = StepMarks()
+        self._steps = StepRoles(cpu_key, lambda: len(self._events) - 0.5)
         self._mode: Any = None
         self._start = 0.0
         self._peak = 0
         self._before = 0
         self.exact: dict[str, int] = {}
+        self.at_failure: Breakdown | None = None
+        self._frozen: tuple[list[Block], int] | None = None  # the live blocks and events at the failure
 
     def allocated(self) -> int:
         return LEDGER.allocated
 
-    def sample(self, allocated: int) -> None:
+    def sample(
+        self, allocated: int, key: int = 0, nbytes: int = 0, op: Any = None, line: str | None = None
+    ) -> None:
         self._peak = max(self._peak, allocated)
+        if nbytes:
+            self._made[key] = (op, line)
+        else:
+            self._made.pop(key, None)
         if self.timeline:
             self._point(allocated)
+            self._events.append((len(self._events), key, nbytes, op, line))
 
     def _point(self, allocated: int) -> None:
         self._t.append(time.time())
@@ -159,14 +228,18 @@ class CpuRecorder:
         raise torch.OutOfMemoryError(format_emulated_oom(**self.exact))
 
     def __enter__(self) -> CpuRecorder:
+        global _SKIPPED_DIRS
+        if not _SKIPPED_DIRS:
+            _SKIPPED_DIRS = _skipped_dirs()
         self._start = time.time()
         self._before = LEDGER.allocated
+        self._start_live = dict(LEDGER.live)
         self._peak = self._before
         self._point(self._before)
         self._mode = _make_tracker(self)
         LEDGER.listener = self
         try:
-            self._marks.install()
+            self._marks.install(self._steps)
             self._mode.__enter__()
         except BaseException:
             LEDGER.listener = None
@@ -183,6 +256,95 @@ class CpuRecorder:
             self._marks.remove()
             LEDGER.listener = None
         self._point(LEDGER.allocated)
+
+    # --- what the memory was ----------------------------------------------------------------------------
+
+    def capture_failure(self, spaces: list) -> Breakdown:
+        """The breakdown now, at an out-of-memory error, before anything is given back: every live storage
+        of the tracker, each with the role the namespace and the failed frames (``spaces``) give it. Sums
+        to the tracker's total exactly."""
+        blocks = self._live_now()
+        self._frozen = (blocks, len(self._events))
+        seen = observe(spaces, cpu_key, 0.0)
+        self.at_failure = breakdown(blocks, seen, "failure", budget=self.limit or self.capacity)
+        return self.at_failure
+
+    def categories(self, spaces: list, timeline: Timeline | None = None) -> Breakdown:
+        """After the cell: the breakdown at the failure if there was one, else at the peak (replayed from
+        the cell's storage events, roles from the namespace now and the optimizer steps around the peak),
+        else, without a timeline, at the end."""
+        if self.at_failure is not None:
+            return self.at_failure
+        budget = self.limit or self.capacity
+        end_clock = len(self._events) - 0.5
+        seen = observe(spaces, cpu_key, end_clock)
+        if not self.timeline:
+            return breakdown(self._live_now(), seen + self._steps.first, "end", budget=budget)
+        start = {k: Block(k, n) for k, n in self._start_live.items()}
+        index = peak_index(self._before, self._events, self._start_live)
+        blocks = live_at(start, self._events_named(), index)
+        return breakdown(blocks.values(), seen + self._steps.around(index, seen), "peak", budget=budget)
+
+    def snapshot(self) -> dict:
+        """A snapshot in the format of ``torch.cuda.memory._snapshot()`` (one segment per live storage, the
+        cell's storage events as device 0's trace) that ``torch.cuda._memory_viz`` and pytorch.org/memory_viz
+        open; at the failure if there was one (the viewer reads the trace back from the segments' state, so
+        both end there). CPU mode has no allocator: addresses are the tracker's storage keys."""
+        start = self._t[0] if self._t else self._start
+        live, upto = self._frozen if self._frozen is not None else (self._live_now(), len(self._events))
+        trace = []
+        sizes = dict(self._start_live)
+        for (_, key, nbytes, op, line), t in zip(self._events[:upto], self._t[1:], strict=False):
+            frames = _frames(op, line)
+            when = int(t * 1e6)
+            if nbytes:
+                trace.append(_entry("alloc", key, nbytes, when, frames))
+                sizes[key] = nbytes
+            else:
+                size = sizes.pop(key, 0)
+                trace.append(_entry("free_requested", key, size, when, frames))
+                trace.append(_entry("free_completed", key, size, when, frames))
+        segments = [
+            {
+                "device": 0,
+                "address": b.key,
+                "total_size": b.nbytes,
+                "allocated_size": b.nbytes,
+                "active_size": b.nbytes,
+                "requested_size": b.nbytes,
+                "stream": 0,
+                "segment_type": "large",
+                "segment_pool_id": (0, 0),
+                "is_expandable": False,
+                "frames": [],
+                "blocks": [
+                    {
+                        "address": b.key,
+                        "size": b.nbytes,
+                        "requested_size": b.nbytes,
+                        "state": "active_allocated",
+                        "frames": _frames(b.op, b.line),
+                    }
+                ],
+            }
+            for b in sorted(live, key=lambda b: b.key)
+        ]
+        return {
+            "segments": segments,
+            "device_traces": [trace],
+            "allocator_settings": {},
+            "oommagic": {"device": "cpu", "started_us": int(start * 1e6), "note": _CPU_NOTE},
+        }
+
+    def _live_now(self) -> list[Block]:
+        made = self._made
+        return [
+            Block(k, n, op=op_name(made.get(k, (None, None))[0]), line=made.get(k, (None, None))[1])
+            for k, n in list(LEDGER.live.items())
+        ]
+
+    def _events_named(self) -> list:
+        return [(c, k, n, op_name(op), line) for c, k, n, op, line in self._events]
 
     def recording(self) -> Recording:
         start = self._start
@@ -206,3 +368,22 @@ class CpuRecorder:
             limit=self.limit,
             timeline=timeline,
         )
+
+
+_CPU_NOTE = (
+    "CPU mode of oommagic: no caching allocator; one segment per live tensor storage, addresses are the "
+    "tracker's storage keys, frames name the operator (and the Python line with --stacks)."
+)
+
+
+def _frames(op: str | None, line: str | None) -> list[dict]:
+    name = op_name(op) if not isinstance(op, str) else op
+    if line:
+        where, _, code = line.partition(" ")
+        filename, _, lineno = where.rpartition(":")
+        return [{"filename": filename, "line": int(lineno) if lineno.isdigit() else 0, "name": code or name}]
+    return [{"filename": name or "??", "line": 0, "name": name or "??"}]
+
+
+def _entry(action: str, key: int, size: int, when: int, frames: list) -> dict:
+    return {"action": action, "addr": key, "size": size, "stream": 0, "time_us": when, "frames": frames}

@@ -17,10 +17,16 @@ class StepMarks:
         self.times: list[float] = []
         self._handle: Any = None
 
-    def install(self) -> None:
+    def install(self, also: Any = None) -> None:
+        """Start marking; ``also(optimizer, args, kwargs)`` runs after each mark (the roles of the step)."""
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._handle = register_optimizer_step_post_hook(lambda *_: self.times.append(time.time()))
+        def mark(*args: Any) -> None:
+            self.times.append(time.time())
+            if also is not None:
+                also(*args)
+
+        self._handle = register_optimizer_step_post_hook(mark)
 
     def remove(self) -> None:
         if self._handle is not None:

@@ -1,0 +1,144 @@
+"""What the report's new parts cost per cell: the allocator snapshot taken at an out-of-memory error (goal
+≤ 50 ms with the default settings) and the fixed cost of a ``%%gpumem`` cell at 20,000 allocation events
+(goal ≤ 30 ms over the plain cell: the snapshot, the timeline replay, the breakdown by category at the
+peak), each with the default capture and with ``--stacks``.
+
+    python benchmarks/failure_snapshot.py            # on a CUDA machine
+    python benchmarks/failure_snapshot.py --smoke    # on CPU: checks the logic, measures nothing
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import report
+import torch
+
+EVENTS = 20_000
+# 10,000 tiny tensors made and dropped: 20,000 allocator events (an alloc and a free each).
+WORK = """_x = torch.ones(256, device=_dev)
+for _ in range({n}):
+    _x = _x * 1.0001
+"""
+
+
+def timed_cell(shell, source: str) -> float:
+    t0 = time.perf_counter()
+    result = shell.run_cell(source)
+    wall = time.perf_counter() - t0
+    if not result.success and "OutOfMemory" not in type(result.error_in_exec).__name__:
+        raise RuntimeError(f"the cell failed: {result.error_in_exec!r}")
+    return wall
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny, on CPU: check the logic only")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = "cuda:0" if cuda else "cpu"
+    n = EVENTS // 2 if cuda else 200
+    if args.smoke:
+        args.rounds = 2
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    import oommagic
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "oommagic")
+    shell.run_cell("import torch")
+    shell.user_ns["_dev"] = device
+    work = WORK.format(n=n)
+    limit = "1GiB" if cuda else "8MiB"
+    huge = "_huge = torch.empty(2 * 1024**3, dtype=torch.uint8, device=_dev)\n"
+    rows, summary = [], {}
+    for variant in ("", "--stacks"):
+        plain, fitted, failed, snap_ms, cat_at = [], [], [], [], []
+        for r in range(args.rounds + 1):
+            p = timed_cell(shell, work)
+            f = timed_cell(shell, f"%%gpumem --quiet {variant}\n{work}")
+            run_ok = oommagic.history()[-1]
+            o = timed_cell(
+                shell, f"%%gpumem --quiet --no-raise --plan-budget 0 --limit {limit} {variant}\n{work}{huge}"
+            )
+            run_oom = oommagic.history()[-1]
+            if r == 0:
+                continue  # warm-up
+            plain.append(p)
+            fitted.append(f)
+            failed.append(o)
+            if run_oom.snapshot_ms is not None:
+                snap_ms.append(run_oom.snapshot_ms)
+            cat_at.append(
+                f"{run_ok.categories.at if run_ok.categories else '—'}/{run_oom.timeline.events} events"
+            )
+        fixed = (statistics.median(fitted) - statistics.median(plain)) * 1e3
+        snap = statistics.median(snap_ms) if snap_ms else None
+        name = variant or "default"
+        summary[name] = (fixed, snap)
+        rows.append(
+            [
+                name,
+                len(plain),
+                f"{statistics.median(plain) * 1e3:.1f}",
+                f"{statistics.median(fitted) * 1e3:.1f}",
+                f"{fixed:+.1f}",
+                f"{snap:.1f}" if snap is not None else "— (CPU: no allocator)",
+                cat_at[-1] if cat_at else "—",
+            ]
+        )
+    judged = cuda
+    fixed, snap = summary["default"]
+    report.summary(
+        "report: fixed cost per %%gpumem cell at 20k events",
+        f"{fixed:+.1f} ms",
+        "≤ 30 ms",
+        fixed <= 30 if judged else None,
+    )
+    if snap is not None:
+        report.summary(
+            "report: allocator snapshot at the failure",
+            f"{snap:.1f} ms",
+            "≤ 50 ms",
+            snap <= 50 if judged else None,
+        )
+    stacks_fixed, stacks_snap = summary["--stacks"]
+    report.summary("report: --stacks fixed cost per cell", f"{stacks_fixed:+.1f} ms", "(reference)", None)
+    if stacks_snap is not None:
+        report.summary(
+            "report: --stacks snapshot at the failure", f"{stacks_snap:.1f} ms", "(reference)", None
+        )
+    headers = [
+        "capture",
+        "rounds",
+        "plain cell (ms)",
+        "%%gpumem cell (ms)",
+        "fixed cost (ms)",
+        "snapshot at the failure (ms)",
+        "categories at / trace events of the failed cell",
+    ]
+    body = (
+        f"A cell of {n:,d} tiny ops ({2 * n:,d} allocator events) run plain and under `%%gpumem`; the same "
+        "cell "
+        f"then allocating 2 GiB under `--limit {limit}` for the snapshot at the failure. Medians of "
+        f"{args.rounds} rounds after a warm-up.\n\n" + report.table(headers, rows)
+    )
+    report.write_markdown(
+        "failure_snapshot", "What the report costs per cell", report.environment(device), body
+    )
+    print(f"wrote {report.out_dir() / 'failure_snapshot.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
