@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "oommagic"
 # Floors, lowest first: a module may import its own floor and those below, never above. Within a floor,
 # the no-circle rule alone holds.
 FLOORS = [
-    {"sizes", "timeline", "options", "oom", "devices", "lengths"},
+    {"sizes", "timeline", "options", "oom", "devices", "lengths", "categories"},
     {"diagnosis"},
     {"cellrun"},
     {"comm"},

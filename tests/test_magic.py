@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import torch
-from oommagic.run.capture import LEDGER
 
 import oommagic
+from oommagic.run.capture import LEDGER
 
 MiB = 1024**2
 

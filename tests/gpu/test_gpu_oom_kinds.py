@@ -125,8 +125,9 @@ def test_fragmentation_fits_with_expandable_segments(cell, retry_with):
 
 
 def test_fragmentation_fits_with_the_cache_emptied_every_step(cell, retry_with):
-    from oommagic.diagnosis.findings import Remedy
     from torch.optim.optimizer import _global_optimizer_post_hooks
+
+    from oommagic.diagnosis.findings import Remedy
 
     hooks = len(_global_optimizer_post_hooks)
     # Fragmentation is expandable segments' case; the cache-clearing retry is proven on it all the same.

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oommagic.run.release import free_failed_cell
 
 import oommagic
+from oommagic.run.release import free_failed_cell
 
 pytestmark = pytest.mark.gpu
 

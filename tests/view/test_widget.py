@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import oommagic
-from oommagic.run.capture import LEDGER
 from oommagic.cellrun import CellRun
 from oommagic.diagnosis.findings import Remedy
+from oommagic.oom import OOMReport
+from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
 from oommagic.timeline import Recording
-from oommagic.oom import OOMReport
 from oommagic.view.text import render_text
 from oommagic.view.widget import ReportWidget
 
