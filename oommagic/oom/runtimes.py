@@ -1,16 +1,18 @@
 """Readers for out-of-memory messages written by something other than PyTorch's allocators.
 
-XLA (JAX, PyTorch/XLA, TensorFlow with XLA) on GPU and TPU; TensorFlow; the CUDA/HIP runtime or driver; and
-the libraries that allocate behind PyTorch's back (cuBLAS, cuDNN, hipBLAS, rocBLAS). Each ``read_*`` takes a
-``Page`` and returns an ``OOMReport`` or ``None``; ``oom.parse_oom`` decides the order they are tried in.
-Pure: no torch, no IPython.
+XLA (JAX, PyTorch/XLA, TensorFlow with XLA) on GPU and TPU; TensorFlow; CuPy; vLLM; llama.cpp (ggml); ONNX
+Runtime; the CUDA/HIP runtime or driver (managed memory included); and the libraries that allocate behind
+PyTorch's back (cuBLAS, cuDNN, hipBLAS, rocBLAS). Each ``read_*`` takes a ``Page`` and returns an
+``OOMReport`` or ``None``; ``oom.parse_oom`` decides the order they are tried in. Pure: no torch, no IPython.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 
+from ..sizes import reported_bytes
 from .report import OOMReport
 from .text import SIZE, Page, matched_bytes, words
 
@@ -43,15 +45,16 @@ _XLA_BUFFER = re.compile(
     + SIZE
     + r"\s*free"
 )
-# A program that does not fit at compile time. "vmem" is the TPU core's small scratch memory, whose size says
-# nothing about the device's memory, so only the HBM figures are kept.
+# A program that does not fit at compile time. "vmem" and "smem" are the TPU core's small vector and scalar
+# scratch memories, whose sizes say nothing about the device's memory, so only the HBM figures are kept. Older
+# releases print no figures ("Ran out of memory in memory space smem. It should not be possible ...").
 _XLA_COMPILE = re.compile(
     words("Ran out of memory in memory space")
-    + r"\s*(hbm|vmem)\s*\.\s*Used\s*"
+    + r"\s*(hbm|vmem|smem)(?:\s*\.\s*Used\s*"
     + SIZE
     + r"\s*of\s*"
     + SIZE
-    + r"\s*(?:hbm|vmem)"
+    + r"\s*(?:hbm|vmem|smem))?"
 )
 
 
@@ -79,7 +82,7 @@ def read_xla(page: Page) -> OOMReport | None:
         )
     if match := _XLA_COMPILE.search(flat):
         figures = {}
-        if match.group(1) == "hbm":
+        if match.group(1) == "hbm" and match.group(2):
             # The whole program is what was asked for.
             figures = {"requested": matched_bytes(match, 2), "capacity": matched_bytes(match, 4)}
         return OOMReport(text=page.text(match.start(), match.end()), device="tpu", source="xla", **figures)
@@ -192,9 +195,35 @@ _DRIVER = (
     (re.compile(r"HIP\s*error\s*:\s*" + words("out of memory")), "hip"),
     (re.compile(r"(?i:cuda\s*runtime\s*err(?:or)?\s*\(\s*2\s*\)\s*:\s*out\s*of\s*memory)"), "cuda"),
     (re.compile(r"THCudaCheck\s*FAIL[^\n]{0,300}?error\s*=\s*2\s*:\s*" + words("out of memory")), "cuda"),
+    # Unified (managed) memory: cudaMallocManaged, or the driver API's cuMemAllocManaged (PyCUDA, Numba).
+    (re.compile(r"(?:cudaMallocManaged|cuMemAllocManaged)\s*(?:\([^()\n]{0,200}\)\s*)?failed\s*:?\s*out\s*of\s*memory"), "cuda"),
+    # ONNX Runtime's and CNTK's CUDA_CALL: "CUDA failure 2: out of memory ; GPU=0 ; hostname=... ; expr=..."
+    (re.compile(r"CUDA\s*failure\s*2\s*:\s*" + words("out of memory")), "cuda"),
     (re.compile(r"CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation"), "cuda"),
     (re.compile(r"hipErrorOutOfMemory"), "hip"),
 )
+# The device a driver error names, in the words people and libraries use: "device 1", "current device: 1",
+# "GPU 1", "GPU=1", "cuda:1", "CUDA1". A number followed by a dot or another digit is a version ("CUDA 12.1").
+_DEVICE_INDEX = re.compile(
+    r"(?<![\w-])(?:(?i:device|gpu)(?:\s*[:=#]\s*|[ ]{1,3})|(?i:cuda|hip)\s*:\s*|(?:CUDA|ROCm)(?=\d))(\d{1,3})(?![\d.:]|\s*/)"
+)
+_INDEX_AFTER = 300
+
+
+def _device_index(page: Page, start: int, end: int) -> int | None:
+    """The device index that a message at ``flat[start:end]`` names: after it, in its paragraph and at most
+    ``_INDEX_AFTER`` characters on, or before it on its own line."""
+    flat = page.flat
+    stop = flat.find("\n", end, end + _INDEX_AFTER)
+    match = _DEVICE_INDEX.search(flat, end, stop if stop != -1 else min(len(flat), end + _INDEX_AFTER))
+    if match is None:
+        at = bisect.bisect_right(page.breaks, start) - 1
+        line_start = page.breaks[at] if at >= 0 else 0
+        line_start = max(line_start, flat.rfind("\n", 0, start) + 1)
+        match = _DEVICE_INDEX.search(flat, line_start, start)
+    return int(match.group(1)) if match else None
+
+
 _LIBRARIES = (
     (
         re.compile(r"(?i:CUDNN_STATUS_(?:ALLOC_FAILED|INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED))"),
@@ -220,7 +249,12 @@ def read_driver(page: Page) -> OOMReport | None:
         )
     for regex, device in _DRIVER:
         if match := regex.search(flat):
-            return OOMReport(text=page.text(match.start(), match.end()), device=device, source="driver")
+            return OOMReport(
+                text=page.text(match.start(), match.end()),
+                device=device,
+                gpu_index=_device_index(page, match.start(), match.end()),
+                source="driver",
+            )
     return None
 
 
