@@ -18,7 +18,16 @@ from __future__ import annotations
 from ..sizes import format_bytes
 from .pytorch import read_allocator, read_async, read_class_name, read_cpu, read_mps
 from .report import OOMReport
-from .runtimes import read_driver, read_library, read_tensorflow, read_xla
+from .runtimes import (
+    read_cupy,
+    read_driver,
+    read_ggml,
+    read_library,
+    read_onnxruntime,
+    read_tensorflow,
+    read_vllm,
+    read_xla,
+)
 from .text import Page
 
 __all__ = ["OOMReport", "format_emulated_oom", "is_oom", "parse_oom"]
@@ -28,8 +37,12 @@ _READERS = (
     read_allocator,
     read_mps,
     read_async,
+    read_cupy,
     read_xla,
     read_tensorflow,
+    read_vllm,
+    read_ggml,
+    read_onnxruntime,
     read_cpu,
     read_driver,
     read_library,
