@@ -211,7 +211,7 @@ _DRIVER = (
 # "GPU 1", "GPU=1", "cuda:1", "CUDA1". A number followed by a dot or another digit is a version ("CUDA 12.1").
 _DEVICE_INDEX = re.compile(
     r"(?<![\w-])(?:(?i:device|gpu)(?:\s*[:=#]\s*|[ ]{1,3})|(?i:cuda|hip)\s*:\s*|(?:CUDA|ROCm)(?=\d))"
-    r"(\d{1,3})(?![\d.:]|\s*/)"
+    r"(\d{1,3})(?![\d.]|\s*/)"
 )
 _INDEX_AFTER = 300
 
@@ -378,7 +378,7 @@ _VLLM_ADVICE = re.compile(
 # "Free memory on device (7.34/139.72 GiB) on startup is less than desired GPU memory utilization (0.9,
 # 125.75 GiB)." Newer releases name the device: "Free memory on device cuda:0 (...)".
 _VLLM_STARTUP = re.compile(
-    words("Free memory on device")
+    r"(?i:f)ree\s*" + words("memory on device")
     + r"\s*(?:(cuda|hip|rocm|xpu|tpu)\s*:\s*(\d{1,5})\s*)?\(\s*(\d{1,30}(?:\.\d{1,30})?)\s*/\s*"
     + SIZE
     + r"\s*\)\s*"
