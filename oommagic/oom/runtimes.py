@@ -8,7 +8,6 @@ PyTorch's back (cuBLAS, cuDNN, hipBLAS, rocBLAS). Each ``read_*`` takes a ``Page
 
 from __future__ import annotations
 
-import bisect
 import math
 import re
 
@@ -214,19 +213,19 @@ _DEVICE_INDEX = re.compile(
     r"(\d{1,3})(?![\d.]|\s*/)"
 )
 _INDEX_AFTER = 300
+_INDEX_BEFORE = 80
 
 
 def _device_index(page: Page, start: int, end: int) -> int | None:
     """The device index that a message at ``flat[start:end]`` names: after it, in its paragraph and at most
-    ``_INDEX_AFTER`` characters on, or before it on its own line."""
+    ``_INDEX_AFTER`` characters on, or else the nearest one just before it ("on GPU 2: ... failed")."""
     flat = page.flat
     stop = flat.find("\n", end, end + _INDEX_AFTER)
     match = _DEVICE_INDEX.search(flat, end, stop if stop != -1 else min(len(flat), end + _INDEX_AFTER))
     if match is None:
-        at = bisect.bisect_right(page.breaks, start) - 1
-        line_start = page.breaks[at] if at >= 0 else 0
-        line_start = max(line_start, flat.rfind("\n", 0, start) + 1)
-        match = _DEVICE_INDEX.search(flat, line_start, start)
+        before = max(flat.rfind("\n", max(0, start - _INDEX_BEFORE), start) + 1, start - _INDEX_BEFORE, 0)
+        for match in _DEVICE_INDEX.finditer(flat, before, start):  # noqa: B007 - the last one is kept
+            pass
     return int(match.group(1)) if match else None
 
 
@@ -378,7 +377,8 @@ _VLLM_ADVICE = re.compile(
 # "Free memory on device (7.34/139.72 GiB) on startup is less than desired GPU memory utilization (0.9,
 # 125.75 GiB)." Newer releases name the device: "Free memory on device cuda:0 (...)".
 _VLLM_STARTUP = re.compile(
-    r"(?i:f)ree\s*" + words("memory on device")
+    r"(?i:f)ree\s*"
+    + words("memory on device")
     + r"\s*(?:(cuda|hip|rocm|xpu|tpu)\s*:\s*(\d{1,5})\s*)?\(\s*(\d{1,30}(?:\.\d{1,30})?)\s*/\s*"
     + SIZE
     + r"\s*\)\s*"
