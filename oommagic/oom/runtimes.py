@@ -326,9 +326,12 @@ def read_cupy(page: Page) -> OOMReport | None:
             limit=_count(match.group(3)),
             source="cupy",
         )
+    seen = 0
     for match in _CUPY_RUNTIME.finditer(flat):
-        if _CUPY_PINNED.search(flat, max(0, match.start() - _PINNED_LOOKBACK), match.start()):
+        # Each stretch of text is looked at once: the lookback stops where the previous error ended.
+        if _CUPY_PINNED.search(flat, max(seen, match.start() - _PINNED_LOOKBACK), match.start()):
             return OOMReport(text=page.text(match.start(), match.end()), device="cpu", source="cupy")
+        seen = match.end()
     return None
 
 
