@@ -47,8 +47,11 @@ def test_corpus_covers_the_formats_the_issue_asks_for():
     sources = {e["expect"].get("source", "allocator") for e in OOM_ENTRIES}
     devices = {e["expect"].get("device") for e in OOM_ENTRIES}
     assert sources >= {"allocator", "async", "driver", "cublas", "cudnn", "xla", "tensorflow"}
+    assert sources >= {"cupy", "vllm", "ggml", "onnxruntime"}
     assert devices >= {"cuda", "hip", "xpu", "mps", "cpu", "gpu", "tpu"}
     assert all(e["url"].startswith("https://github.com/") for e in ENTRIES)
+    # Copied messages and messages written in a thread's format are told apart.
+    assert all(e.get("written", False) in (True, False) for e in ENTRIES)
 
 
 @pytest.mark.parametrize("entry", OOM_ENTRIES, ids=lambda e: e["file"])
