@@ -270,7 +270,12 @@ def read_library(page: Page) -> OOMReport | None:
             end = match.end()
             if call := _CALL.match(page.flat, end):
                 end = call.end()
-            return OOMReport(text=page.text(match.start(), end), device=device, source=source)
+            return OOMReport(
+                text=page.text(match.start(), end),
+                device=device,
+                gpu_index=_device_index(page, match.start(), end) if device != "cpu" else None,
+                source=source,
+            )
     return None
 
 

@@ -648,3 +648,10 @@ def test_parse_reported_size(text, expected):
 def test_parse_reported_size_rejects_what_no_message_prints(text):
     with pytest.raises(ValueError):
         parse_reported_size(text)
+
+
+def test_library_failures_read_the_device_they_name():
+    report = parse_oom(
+        "CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED ; GPU=1 ; hostname=h ; expr=cublasCreate(&handle);"
+    )
+    assert (report.source, report.device, report.gpu_index) == ("cublas", "cuda", 1)
