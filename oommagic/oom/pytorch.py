@@ -40,6 +40,8 @@ _ALLOCATOR_TAIL = (
     re.compile(words("Of the allocated memory") + r"\s*" + SIZE + r"\s*" + words("is allocated by PyTorch")),
     re.compile(LEAD + SIZE + r"\s*" + words("is reserved by PyTorch but unallocated")),
 )
+# A word each of those sentences holds whole, however it was wrapped: a cheap test before the pattern.
+_TAIL_WORDS = ("capac", "free", "Including", "Process", "allocated", "unallocated")
 # Wording only CUDA's (and HIP's, which is CUDA's hipified) allocator prints; XPU's has none of it.
 _CUDA_WORDING = re.compile(
     r"of\s*which|is\s*free\s*\.|Including\s*non-PyTorch|Process\s*\d|PYTORCH_CUDA_ALLOC_CONF|"
@@ -114,7 +116,11 @@ def read_allocator(page: Page) -> OOMReport | None:
         device = "gpu"
         pattern = _ALLOCATOR_HEADLESS
         if not anchor:
-            found = [(m.start(), i, m) for i, r in enumerate(_ALLOCATOR_TAIL) if (m := r.search(flat))]
+            found = [
+                (m.start(), i, m)
+                for i, (r, word) in enumerate(zip(_ALLOCATOR_TAIL, _TAIL_WORDS, strict=True))
+                if word in flat and (m := r.search(flat))
+            ]
             if not found:
                 return None
             _, which, anchor = min(found, key=lambda item: item[:2])

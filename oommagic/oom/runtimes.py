@@ -209,7 +209,7 @@ _DRIVER = (
 # The device a driver error names, in the words people and libraries use: "device 1", "current device: 1",
 # "GPU 1", "GPU=1", "cuda:1", "CUDA1". A number followed by a dot or another digit is a version ("CUDA 12.1").
 _DEVICE_INDEX = re.compile(
-    r"(?<![\w-])(?:(?i:device|gpu)(?:\s*[:=#]\s*|[ ]{1,3})|(?i:cuda|hip)\s*:\s*|(?:CUDA|ROCm)(?=\d))"
+    r"(?<![_-])(?:(?i:device|gpu)(?:\s*[:=#]\s*|\s{0,3})|(?i:cuda|hip)\s*:\s*|(?:CUDA|ROCm)(?=\d))"
     r"(\d{1,3})(?![\d.]|\s*/)"
 )
 _INDEX_AFTER = 300
