@@ -5,9 +5,10 @@ from, are in ``tests/oom_corpus``. Where each part lives:
 
 - ``oom_report``: ``OOMReport``, the record every reader returns (re-exported here).
 - ``oom_text``: cleaning and re-joining the text (``Page``) and the pieces patterns are built from.
-- ``oom_pytorch``: messages PyTorch writes (caching allocator old and new, HIP, XPU, MPS, cudaMallocAsync,
-  CPU allocator, bare ``OutOfMemoryError``).
-- ``oom_runtimes``: everyone else's (XLA/TPU, TensorFlow, CUDA/HIP driver, cuBLAS/cuDNN).
+- ``oom_pytorch``: messages PyTorch writes (caching allocator old and new, also pasted from its middle; HIP,
+  XPU, MPS, cudaMallocAsync, CPU allocator, bare ``OutOfMemoryError``).
+- ``oom_runtimes``: everyone else's (XLA/TPU, TensorFlow, CuPy, vLLM, llama.cpp/ggml, ONNX Runtime, CUDA/HIP
+  driver and managed memory, cuBLAS/cuDNN).
 
 Every pattern starts with a keyword and every repeat in it is bounded or stops at a character it cannot
 contain, so parsing is linear in the length of the text.
@@ -18,7 +19,16 @@ from __future__ import annotations
 from ..sizes import format_bytes
 from .pytorch import read_allocator, read_async, read_class_name, read_cpu, read_mps
 from .report import OOMReport
-from .runtimes import read_driver, read_library, read_tensorflow, read_xla
+from .runtimes import (
+    read_cupy,
+    read_driver,
+    read_ggml,
+    read_library,
+    read_onnxruntime,
+    read_tensorflow,
+    read_vllm,
+    read_xla,
+)
 from .text import Page
 
 __all__ = ["OOMReport", "format_emulated_oom", "is_oom", "parse_oom"]
@@ -28,8 +38,12 @@ _READERS = (
     read_allocator,
     read_mps,
     read_async,
+    read_cupy,
     read_xla,
     read_tensorflow,
+    read_vllm,
+    read_ggml,
+    read_onnxruntime,
     read_cpu,
     read_driver,
     read_library,
@@ -41,9 +55,12 @@ def parse_oom(text: str) -> OOMReport | None:
     """Read the out-of-memory message in ``text``; ``None`` when it holds none.
 
     ``text`` may be an exception's ``str()``, a whole traceback, a log, or a pasted and re-wrapped copy of
-    any of them. Recognises the PyTorch caching allocator (CUDA, HIP, XPU; every format since 1.0), MPS,
-    cudaMallocAsync, ``CUDA error: out of memory``, cuBLAS/cuDNN allocation failures, XLA/JAX, TensorFlow,
-    PyTorch's CPU allocator and oommagic's own emulated message. Never raises for a ``str``.
+    any of them. Recognises the PyTorch caching allocator (CUDA, HIP, XPU; every format since 1.0; from 2.1 on
+    also a message pasted from its middle), MPS, cudaMallocAsync, ``CUDA error: out of memory`` and managed
+    (unified) memory failures, cuBLAS/cuDNN allocation failures, XLA/JAX (TPU memory spaces included),
+    TensorFlow, CuPy, vLLM's KV-cache and start-up refusals (``ValueError``, with token figures in
+    ``tokens_requested``/``tokens_capacity``), llama.cpp/ggml buffers, ONNX Runtime's arena, PyTorch's CPU
+    allocator and oommagic's own emulated message. Never raises for a ``str``.
     """
     if not isinstance(text, str) or not text:
         return None

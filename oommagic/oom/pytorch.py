@@ -29,6 +29,26 @@ _ALLOCATOR = re.compile(
 _ALLOCATOR_HEADLESS = re.compile(
     words("Tried to allocate") + r"\s*" + SIZE + r"\s*(?:\(\s*GPU\s*\d|\.\s*GPU\s*\d{1,5}\s*has)"
 )
+# A message pasted from its middle on: the first of the allocator's (>= 2.1) sentences that is left. Each
+# names PyTorch, or is followed by a sentence that does, so that prose about free memory is not a message.
+_PYTORCH_NEXT = r"(?=\s*(?:Including\s*non-PyTorch|Process\s*\d|Of\s*the\s*allocated|\d[^\n]{0,30}allowed))"
+_ALLOCATOR_TAIL = (
+    re.compile(r"(?:GPU|Device)\s*\d{1,5}\s*" + words("has a total") + r"\s*capaci?ty\s*of\s*" + SIZE),
+    re.compile(LEAD + SIZE + r"\s*is\s*free\s*\." + _PYTORCH_NEXT),
+    re.compile(words("Including non-PyTorch memory, this process has")),
+    re.compile(r"Process\s*\d{1,10}\s*has\s*" + SIZE + r"\s*" + words("memory in use.") + _PYTORCH_NEXT),
+    re.compile(words("Of the allocated memory") + r"\s*" + SIZE + r"\s*" + words("is allocated by PyTorch")),
+    re.compile(LEAD + SIZE + r"\s*" + words("is reserved by PyTorch but unallocated")),
+)
+# A word each of those sentences holds whole, however it was wrapped: a cheap test before the pattern.
+_TAIL_WORDS = ("capac", "free", "Including", "Process", "allocated", "unallocated")
+# Wording only CUDA's (and HIP's, which is CUDA's hipified) allocator prints; XPU's has none of it.
+_CUDA_WORDING = re.compile(
+    r"of\s*which|is\s*free\s*\.|Including\s*non-PyTorch|Process\s*\d|PYTORCH_CUDA_ALLOC_CONF|"
+    r"max_split_size_mb|expandable_segments"
+)
+_XPU_WORDING = re.compile(words("Please use `empty_cache` to release all unoccupied cached memory"))
+_TAIL_FREE = re.compile(LEAD + SIZE + r"\s*is\s*free")
 # Intel's extension refuses single blocks over 4 GB in the same words: a size limit, not a full device.
 _BLOCK_LIMIT = re.compile(words("can NOT allocate memory block"))
 
@@ -49,7 +69,9 @@ _PROCESS_USED = re.compile(words("this process has") + r"\s*" + SIZE + r"\s*" + 
 _OTHER_PROCESS = re.compile(r"Process\s*(\d{1,10})\s*has\s*" + SIZE + r"\s*" + words("memory in use"))
 _ALLOWED = re.compile(LEAD + SIZE + r"\s*allowed")
 _ALLOCATED = re.compile(words("Of the allocated memory") + r"\s*" + SIZE + r"\s*" + words("is allocated by"))
-_UNALLOCATED = re.compile(r"and\s*" + SIZE + r"\s*" + words("is reserved by PyTorch but unallocated"))
+_UNALLOCATED = re.compile(
+    r"(?:and\s*)?" + LEAD + SIZE + r"\s*" + words("is reserved by PyTorch but unallocated")
+)
 _HINT = re.compile(
     r"[.)]?\s*(?:If\s*reserved|Please\s*use|Use\s*PYTORCH_MPS)[^\n]{0,600}?"
     r"(?:https?://[^\s()]{1,200}\)|PYTORCH_(?:CUDA|HIP)_ALLOC_CONF(?!\s*=)|cached\s*memory\.|failure\)\.?)"
@@ -83,6 +105,7 @@ def read_allocator(page: Page) -> OOMReport | None:
     flat = page.flat
     anchor = _ALLOCATOR.search(flat)
     device = None
+    tail = False
     if anchor:
         device = _DEVICE_NAMES[anchor.group(1)]
         pattern = _ALLOCATOR
@@ -90,10 +113,19 @@ def read_allocator(page: Page) -> OOMReport | None:
         anchor = _ALLOCATOR_HEADLESS.search(flat)
         while anchor and _BLOCK_LIMIT.search(flat, max(0, anchor.start() - 120), anchor.start()):
             anchor = _ALLOCATOR_HEADLESS.search(flat, anchor.end())
-        if not anchor:
-            return None
         device = "gpu"
         pattern = _ALLOCATOR_HEADLESS
+        if not anchor:
+            found = [
+                (m.start(), i, m)
+                for i, (r, word) in enumerate(zip(_ALLOCATOR_TAIL, _TAIL_WORDS, strict=True))
+                if word in flat and (m := r.search(flat))
+            ]
+            if not found:
+                return None
+            _, which, anchor = min(found, key=lambda item: item[:2])
+            pattern = _ALLOCATOR_TAIL[which]
+            tail = True
     start = anchor.start()
     end = _region(page, start, pattern)
     last = anchor.end()
@@ -154,8 +186,9 @@ def read_allocator(page: Page) -> OOMReport | None:
             figures["gpu_index"] = int(match.group(1))
         if match := find(_CAPACITY):
             figures["capacity"] = matched_bytes(match)
-        if match := find(_FREE):
+        if (match := find(_FREE)) or (tail and (match := _TAIL_FREE.match(flat, start))):
             figures["free"] = matched_bytes(match)
+            last = max(last, match.end())
         if match := find(_PROCESS_USED):
             figures["process_used"] = matched_bytes(match)
         others = []
@@ -173,7 +206,17 @@ def read_allocator(page: Page) -> OOMReport | None:
             figures["reserved_unallocated"] = matched_bytes(unallocated)
         if allocated and unallocated:
             figures["reserved"] = figures["allocated"] + figures["reserved_unallocated"]
-    return OOMReport(text=_finish(page, start, last, end), **figures)
+    text = _finish(page, start, last, end)
+    if tail:
+        # The device's name went with the first words; the wording still tells CUDA's allocator (or HIP's,
+        # or XPU's). With only the last sentence, which all three print, it stays "gpu".
+        if "PYTORCH_HIP_ALLOC_CONF" in flat[start:end]:
+            figures["device"] = "hip"
+        elif _CUDA_WORDING.search(flat, start, end):
+            figures["device"] = "cuda"
+        elif _XPU_WORDING.search(flat, start, end):
+            figures["device"] = "xpu"
+    return OOMReport(text=text, **figures)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ class OOMReport:
     limit: int | None = None
     source: str = "allocator"
     emulated: bool = False
+    # Serving engines (vLLM) count the KV cache in tokens: the sequence length asked for and what fits.
+    tokens_requested: int | None = None
+    tokens_capacity: int | None = None
 
     def to_json(self) -> dict:
         data = asdict(self)

@@ -1,9 +1,9 @@
 """Readers for out-of-memory messages written by something other than PyTorch's allocators.
 
-XLA (JAX, PyTorch/XLA, TensorFlow with XLA) on GPU and TPU; TensorFlow; the CUDA/HIP runtime or driver; and
-the libraries that allocate behind PyTorch's back (cuBLAS, cuDNN, hipBLAS, rocBLAS). Each ``read_*`` takes a
-``Page`` and returns an ``OOMReport`` or ``None``; ``oom.parse_oom`` decides the order they are tried in.
-Pure: no torch, no IPython.
+XLA (JAX, PyTorch/XLA, TensorFlow with XLA) on GPU and TPU; TensorFlow; CuPy; vLLM; llama.cpp (ggml); ONNX
+Runtime; the CUDA/HIP runtime or driver (managed memory included); and the libraries that allocate behind
+PyTorch's back (cuBLAS, cuDNN, hipBLAS, rocBLAS). Each ``read_*`` takes a ``Page`` and returns an
+``OOMReport`` or ``None``; ``oom.parse_oom`` decides the order they are tried in. Pure: no torch, no IPython.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 
+from ..sizes import reported_bytes
 from .report import OOMReport
 from .text import SIZE, Page, matched_bytes, words
 
@@ -43,15 +44,16 @@ _XLA_BUFFER = re.compile(
     + SIZE
     + r"\s*free"
 )
-# A program that does not fit at compile time. "vmem" is the TPU core's small scratch memory, whose size says
-# nothing about the device's memory, so only the HBM figures are kept.
+# A program that does not fit at compile time. "vmem" and "smem" are the TPU core's small vector and scalar
+# scratch memories, whose sizes say nothing about the device's memory, so only the HBM figures are kept. Older
+# releases print no figures ("Ran out of memory in memory space smem. It should not be possible ...").
 _XLA_COMPILE = re.compile(
     words("Ran out of memory in memory space")
-    + r"\s*(hbm|vmem)\s*\.\s*Used\s*"
+    + r"\s*(hbm|vmem|smem)(?:\s*\.\s*Used\s*"
     + SIZE
     + r"\s*of\s*"
     + SIZE
-    + r"\s*(?:hbm|vmem)"
+    + r"\s*(?:hbm|vmem|smem))?"
 )
 
 
@@ -79,7 +81,7 @@ def read_xla(page: Page) -> OOMReport | None:
         )
     if match := _XLA_COMPILE.search(flat):
         figures = {}
-        if match.group(1) == "hbm":
+        if match.group(1) == "hbm" and match.group(2):
             # The whole program is what was asked for.
             figures = {"requested": matched_bytes(match, 2), "capacity": matched_bytes(match, 4)}
         return OOMReport(text=page.text(match.start(), match.end()), device="tpu", source="xla", **figures)
@@ -192,9 +194,41 @@ _DRIVER = (
     (re.compile(r"HIP\s*error\s*:\s*" + words("out of memory")), "hip"),
     (re.compile(r"(?i:cuda\s*runtime\s*err(?:or)?\s*\(\s*2\s*\)\s*:\s*out\s*of\s*memory)"), "cuda"),
     (re.compile(r"THCudaCheck\s*FAIL[^\n]{0,300}?error\s*=\s*2\s*:\s*" + words("out of memory")), "cuda"),
+    # Unified (managed) memory: cudaMallocManaged, or the driver API's cuMemAllocManaged (PyCUDA, Numba).
+    (
+        re.compile(
+            r"(?:cudaMallocManaged|cuMemAllocManaged)\s*(?:\([^()\n]{0,200}\)\s*)?failed\s*:?\s*out\s*of\s*memory"
+        ),
+        "cuda",
+    ),
+    # ONNX Runtime's and CNTK's CUDA_CALL: "CUDA failure 2: out of memory ; GPU=0 ; hostname=... ; expr=..."
+    (re.compile(r"CUDA\s*failure\s*2\s*:\s*" + words("out of memory")), "cuda"),
     (re.compile(r"CUDA_ERROR_OUT_OF_MEMORY|cudaErrorMemoryAllocation"), "cuda"),
     (re.compile(r"hipErrorOutOfMemory"), "hip"),
 )
+# The device a driver error names, in the words people and libraries use: "device 1", "current device: 1",
+# "GPU 1", "GPU=1", "cuda:1", "CUDA1". A number followed by a dot or another digit is a version ("CUDA 12.1").
+_DEVICE_INDEX = re.compile(
+    r"(?<![_-])(?:(?i:device|gpu)(?:\s*[:=#]\s*|\s{0,3})|(?i:cuda|hip)\s*:\s*|(?:CUDA|ROCm)(?=\d))"
+    r"(\d{1,3})(?![\d.]|\s*/)"
+)
+_INDEX_AFTER = 300
+_INDEX_BEFORE = 80
+
+
+def _device_index(page: Page, start: int, end: int) -> int | None:
+    """The device index that a message at ``flat[start:end]`` names: after it, in its paragraph and at most
+    ``_INDEX_AFTER`` characters on, or else the nearest one just before it ("on GPU 2: ... failed")."""
+    flat = page.flat
+    stop = flat.find("\n", end, end + _INDEX_AFTER)
+    match = _DEVICE_INDEX.search(flat, end, stop if stop != -1 else min(len(flat), end + _INDEX_AFTER))
+    if match is None:
+        before = max(flat.rfind("\n", max(0, start - _INDEX_BEFORE), start) + 1, start - _INDEX_BEFORE, 0)
+        for match in _DEVICE_INDEX.finditer(flat, before, start):  # noqa: B007 - the last one is kept
+            pass
+    return int(match.group(1)) if match else None
+
+
 _LIBRARIES = (
     (
         re.compile(r"(?i:CUDNN_STATUS_(?:ALLOC_FAILED|INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED))"),
@@ -220,7 +254,12 @@ def read_driver(page: Page) -> OOMReport | None:
         )
     for regex, device in _DRIVER:
         if match := regex.search(flat):
-            return OOMReport(text=page.text(match.start(), match.end()), device=device, source="driver")
+            return OOMReport(
+                text=page.text(match.start(), match.end()),
+                device=device,
+                gpu_index=_device_index(page, match.start(), match.end()),
+                source="driver",
+            )
     return None
 
 
@@ -231,5 +270,271 @@ def read_library(page: Page) -> OOMReport | None:
             end = match.end()
             if call := _CALL.match(page.flat, end):
                 end = call.end()
-            return OOMReport(text=page.text(match.start(), end), device=device, source=source)
+            return OOMReport(
+                text=page.text(match.start(), end),
+                device=device,
+                gpu_index=_device_index(page, match.start(), end) if device != "cpu" else None,
+                source=source,
+            )
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CuPy's memory pool, and its pinned (page-locked host) pool
+
+# A byte count as CuPy prints it since v7 ("1,234,567,168") or before (no commas).
+_COUNT = r"(\d{1,3}(?:,\d{3}){1,12}|\d{1,30})"
+_CUPY = re.compile(
+    words("Out of memory allocating")
+    + r"\s*"
+    + _COUNT
+    + r"\s*bytes\s*\(\s*"
+    + words("allocated so far:")
+    + r"\s*"
+    + _COUNT
+    + r"\s*bytes(?:\s*,\s*"
+    + words("limit set to:")
+    + r"\s*"
+    + _COUNT
+    + r"\s*bytes)?\s*\)"
+)
+_CUPY_OLD = re.compile(
+    words("out of memory to allocate")
+    + r"\s*(\d{1,30})\s*bytes\s*\(\s*total\s*(\d{1,30})\s*bytes(?:\s*,\s*"
+    + words("limit set to")
+    + r"\s*(\d{1,30})\s*bytes)?\s*\)"
+)
+# The pinned pool lets the CUDA runtime's error through; only the traceback above it says it was host memory.
+_CUPY_RUNTIME = re.compile(
+    r"CUDARuntimeError\s*:\s*cudaErrorMemoryAllocation(?:\s*:\s*" + words("out of memory") + ")?"
+)
+_CUPY_PINNED = re.compile(r"pinned_memory|PinnedMemory|cudaHostAlloc|hostAlloc")
+_PINNED_LOOKBACK = 3000
+
+
+def _count(text: str | None) -> int | None:
+    return int(text.replace(",", "")) if text else None
+
+
+def read_cupy(page: Page) -> OOMReport | None:
+    """CuPy: ``Out of memory allocating N bytes (allocated so far: M bytes)`` (and the wording before v7),
+    and the pinned pool's ``cudaErrorMemoryAllocation``. "Allocated so far" is what the pool
+    holds after it has given its free blocks back: the bytes in use."""
+    flat = page.flat
+    match = _CUPY.search(flat) or _CUPY_OLD.search(flat)
+    if match:
+        return OOMReport(
+            text=page.text(match.start(), match.end()),
+            device="cuda",
+            requested=_count(match.group(1)),
+            allocated=_count(match.group(2)),
+            limit=_count(match.group(3)),
+            source="cupy",
+        )
+    seen = 0
+    for match in _CUPY_RUNTIME.finditer(flat):
+        # Each stretch of text is looked at once: the lookback stops where the previous error ended.
+        if _CUPY_PINNED.search(flat, max(seen, match.start() - _PINNED_LOOKBACK), match.start()):
+            return OOMReport(text=page.text(match.start(), match.end()), device="cpu", source="cupy")
+        seen = match.end()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# vLLM: the engine refuses to start when the KV cache does not fit. A ValueError, but an out-of-memory one.
+
+_VLLM_NO_BLOCKS = re.compile(
+    words("No available memory for the cache blocks.")
+    + r"(?:\s*"
+    + words("Try increasing")
+    + r"\s*`?gpu_memory_utilization`?\s*"
+    + words("when initializing the engine.")
+    + ")?"
+)
+# vLLM before V1: both figures are tokens.
+_VLLM_TOKENS = re.compile(
+    words("max seq len (")
+    + r"\s*(\d{1,12})\s*\)\s*"
+    + words("is larger than the maximum number of tokens that can be stored in KV cache (")
+    + r"\s*(\d{1,12})\s*\)"
+)
+# V1: "To serve at least one request with the models's max seq len (N), (X GiB KV cache is needed, which is
+# larger than the available KV cache memory (Y GiB). Based on the available memory, the estimated maximum
+# model length is M."
+_VLLM_KV_MEMORY = re.compile(
+    words("max seq len (")
+    + r"\s*(\d{1,12})\s*\)\s*,\s*\(?\s*"
+    + SIZE
+    + r"\s*"
+    + words("KV cache is needed, which is larger than the available KV cache memory (")
+    + r"\s*"
+    + SIZE
+    + r"\s*\)(?:\s*\.\s*"
+    + words("Based on the available memory, the estimated maximum model length is")
+    + r"\s*(\d{1,12}))?"
+)
+_VLLM_SERVE = re.compile(words("To serve at least one request with the"))
+_VLLM_ADVICE = re.compile(
+    r"\s*\.?\s*"
+    + words("Try increasing")
+    + r"\s*`?gpu_memory_utilization`?\s*"
+    + words("or decreasing")
+    + r"\s*`?max_model_len`?\s*"
+    + words("when initializing the engine.")
+)
+# "Free memory on device (7.34/139.72 GiB) on startup is less than desired GPU memory utilization (0.9,
+# 125.75 GiB)." Newer releases name the device: "Free memory on device cuda:0 (...)".
+_VLLM_STARTUP = re.compile(
+    r"(?i:f)ree\s*"
+    + words("memory on device")
+    + r"\s*(?:(cuda|hip|rocm|xpu|tpu)\s*:\s*(\d{1,5})\s*)?\(\s*(\d{1,30}(?:\.\d{1,30})?)\s*/\s*"
+    + SIZE
+    + r"\s*\)\s*"
+    + words("on startup is less than desired GPU memory utilization (")
+    + r"\s*\d{1,3}(?:\.\d{1,20})?\s*,\s*"
+    + SIZE
+    + r"\s*\)"
+)
+
+
+def read_vllm(page: Page) -> OOMReport | None:
+    """vLLM: free memory below ``gpu_memory_utilization`` at start, or a KV cache too small for a request."""
+    flat = page.flat
+    if match := _VLLM_STARTUP.search(flat):
+        kind, index = match.group(1), match.group(2)
+        return OOMReport(
+            text=page.text(match.start(), match.end()),
+            device={"rocm": "hip"}.get(kind.lower(), kind.lower()) if kind else None,
+            gpu_index=int(index) if index else None,
+            free=reported_bytes(match.group(3), match.group(5)),
+            capacity=matched_bytes(match, 4),
+            requested=matched_bytes(match, 6),
+            source="vllm",
+        )
+    if match := _VLLM_KV_MEMORY.search(flat):
+        start = match.start()
+        if serve := _VLLM_SERVE.search(flat, max(0, start - 80), start):
+            start = serve.start()
+        end = match.end()
+        if advice := _VLLM_ADVICE.match(flat, end):
+            end = advice.end()
+        return OOMReport(
+            text=page.text(start, end),
+            requested=matched_bytes(match, 2),
+            free=matched_bytes(match, 4),
+            tokens_requested=int(match.group(1)),
+            tokens_capacity=int(match.group(6)) if match.group(6) else None,
+            source="vllm",
+        )
+    if match := _VLLM_TOKENS.search(flat):
+        start = match.start()
+        if model := re.compile(r"The\s*model\S{0,3}s\s*").search(flat, max(0, start - 20), start):
+            start = model.start()
+        end = match.end()
+        if advice := _VLLM_ADVICE.match(flat, end):
+            end = advice.end()
+        return OOMReport(
+            text=page.text(start, end),
+            tokens_requested=int(match.group(1)),
+            tokens_capacity=int(match.group(2)),
+            source="vllm",
+        )
+    if match := _VLLM_NO_BLOCKS.search(flat):
+        return OOMReport(text=page.text(match.start(), match.end()), source="vllm")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# llama.cpp and the other ggml programs (whisper.cpp, ollama): a backend buffer that could not be allocated
+#   ggml_backend_cuda_buffer_type_alloc_buffer: allocating 9866.00 MiB on device 1: cudaMalloc failed:
+#       out of memory
+#   ggml_gallocr_reserve_n: failed to allocate CUDA1 buffer of size 10345253120
+#   llama_model_load: error loading model: unable to allocate CUDA0 buffer
+
+# ggml's backend names: CUDA builds say CUDA0, ROCm builds ROCm0 (with the same "cudaMalloc failed" line).
+_GGML_DEVICES = {
+    "cuda": "cuda",
+    "rocm": "hip",
+    "sycl": "xpu",
+    "vulkan": "gpu",
+    "metal": "mps",
+    "mtl": "mps",
+    "cpu": "cpu",
+}
+_GGML_BACKEND = r"(CUDA|ROCm|SYCL|Vulkan|Metal|MTL|CPU)(_Host)?(\d{0,5})"
+_GGML_MALLOC = re.compile(
+    words("allocating")
+    + r"\s*"
+    + SIZE
+    + r"\s*on\s*device\s*(\d{1,5})\s*:\s*"
+    + r"(?:cudaMalloc|hipMalloc)\s*failed\s*:\s*"
+    + words("out of memory")
+)
+_GGML_BUFFER = re.compile(
+    words("failed to allocate") + r"\s*" + _GGML_BACKEND + r"\s*buffer\s*of\s*size\s*(\d{1,30})"
+)
+_GGML_UNABLE = re.compile(words("unable to allocate") + r"\s*(?:" + _GGML_BACKEND + r"\s*|backend\s*)buffer")
+_GGML_SPAN = 1500
+
+
+def read_ggml(page: Page) -> OOMReport | None:
+    """llama.cpp / ggml: ``cudaMalloc failed: out of memory``, ``failed to allocate CUDA0 buffer of size N``,
+    ``unable to allocate backend buffer``; the exact byte count wins over the rounded MiB."""
+    flat = page.flat
+    found = [m for m in (regex.search(flat) for regex in (_GGML_MALLOC, _GGML_BUFFER, _GGML_UNABLE)) if m]
+    if not found:
+        return None
+    start = min(m.start() for m in found)
+    stop = flat.find("\n", start, start + _GGML_SPAN)
+    end = stop if stop != -1 else min(len(flat), start + _GGML_SPAN)
+    malloc, buffer, unable = (
+        regex.search(flat, start, end) for regex in (_GGML_MALLOC, _GGML_BUFFER, _GGML_UNABLE)
+    )
+    figures: dict = {}
+    last = start
+    if malloc:
+        figures.update(device="cuda", requested=matched_bytes(malloc), gpu_index=int(malloc.group(3)))
+        last = malloc.end()
+    for match, size in ((unable, None), (buffer, 4)):
+        if not match:
+            continue
+        last = max(last, match.end())
+        if match.group(1):
+            host = bool(match.group(2))
+            figures["device"] = "cpu" if host else _GGML_DEVICES[match.group(1).lower()]
+            if match.group(3) and not host:
+                figures["gpu_index"] = int(match.group(3))
+        if size:
+            figures["requested"] = int(match.group(size))
+    return OOMReport(text=page.text(start, last), source="ggml", **figures)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ONNX Runtime's arena (BFCArena), on CPU or CUDA
+#   ... bfc_arena.cc:376 ... Failed to allocate memory for requested buffer of size 8388608000
+#   ... Available memory of 0 is smaller than requested bytes of 2048       (an arena with max_mem set)
+# Its CUDA calls fail as "CUDA failure 2: out of memory ; GPU=0 ; ...", which read_driver reads.
+
+_ORT_BUFFER = re.compile(words("Failed to allocate memory for requested buffer of size") + r"\s*(\d{1,30})")
+_ORT_AVAILABLE = re.compile(
+    words("Available memory of")
+    + r"\s*(\d{1,30})\s*"
+    + words("is smaller than requested bytes of")
+    + r"\s*(\d{1,30})"
+)
+
+
+def read_onnxruntime(page: Page) -> OOMReport | None:
+    """ONNX Runtime's BFCArena: a buffer the arena could not get, or one over the arena's limit."""
+    if match := _ORT_AVAILABLE.search(page.flat):
+        return OOMReport(
+            text=page.text(match.start(), match.end()),
+            requested=int(match.group(2)),
+            free=int(match.group(1)),
+            source="onnxruntime",
+        )
+    if match := _ORT_BUFFER.search(page.flat):
+        return OOMReport(
+            text=page.text(match.start(), match.end()), requested=int(match.group(1)), source="onnxruntime"
+        )
     return None

@@ -47,8 +47,11 @@ def test_corpus_covers_the_formats_the_issue_asks_for():
     sources = {e["expect"].get("source", "allocator") for e in OOM_ENTRIES}
     devices = {e["expect"].get("device") for e in OOM_ENTRIES}
     assert sources >= {"allocator", "async", "driver", "cublas", "cudnn", "xla", "tensorflow"}
+    assert sources >= {"cupy", "vllm", "ggml", "onnxruntime"}
     assert devices >= {"cuda", "hip", "xpu", "mps", "cpu", "gpu", "tpu"}
     assert all(e["url"].startswith("https://github.com/") for e in ENTRIES)
+    # Copied messages and messages written in a thread's format are told apart.
+    assert all(e.get("written", False) in (True, False) for e in ENTRIES)
 
 
 @pytest.mark.parametrize("entry", OOM_ENTRIES, ids=lambda e: e["file"])
@@ -223,6 +226,247 @@ def test_tensorflow_shape_times_dtype_when_no_byte_count():
     assert report.requested == 32 * 512 * 512 * 2
 
 
+# --- messages pasted in part, and other runtimes' messages (written in each runtime's format) -------------
+
+TAIL_SENTENCES = (
+    "Tried to allocate 2.00 GiB. GPU 1 has a total capacity of 23.65 GiB of which 1.20 GiB is free. "
+    "Including non-PyTorch memory, this process has 22.43 GiB memory in use. Of the allocated memory "
+    "21.37 GiB is allocated by PyTorch, and 1.04 GiB is reserved by PyTorch but unallocated."
+)
+
+
+@pytest.mark.parametrize(
+    "cut", ["GPU 1 has", "1.20 GiB is free", "Including", "Of the allocated", "1.04 GiB is"]
+)
+def test_pytorch_message_cut_anywhere_keeps_the_figures_that_are_left(cut):
+    full = parse_oom("torch.OutOfMemoryError: CUDA out of memory. " + TAIL_SENTENCES)
+    tail = TAIL_SENTENCES[TAIL_SENTENCES.index(cut) :]
+    report = parse_oom("... " + tail)
+    assert report is not None and report.text.startswith(cut)
+    for name in ("capacity", "free", "process_used", "allocated", "reserved", "reserved_unallocated"):
+        # Each figure is either what the whole message says or, where its sentence was cut off, absent.
+        assert getattr(report, name) in (getattr(full, name), None), name
+    assert report.reserved_unallocated == full.reserved_unallocated
+    # The sentences up to "Including non-PyTorch memory" are the CUDA (or HIP) allocator's own wording; the
+    # allocated/reserved sentence is XPU's too.
+    assert report.device == ("gpu" if cut in ("Of the allocated", "1.04 GiB is") else "cuda")
+    assert report.gpu_index == (1 if cut == "GPU 1 has" else None)
+
+
+def test_pytorch_tail_tells_hip_and_xpu_by_their_advice():
+    hip = parse_oom(
+        "Of the allocated memory 8.08 GiB is allocated by PyTorch, and 321.96 MiB is reserved by PyTorch but "
+        "unallocated. If reserved but unallocated memory is large try setting "
+        "PYTORCH_HIP_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
+    )
+    xpu = parse_oom(
+        "Of the allocated memory 195.50 KiB is allocated by PyTorch, and 1.81 MiB is reserved by PyTorch but "
+        "unallocated. Please use `empty_cache` to release all unoccupied cached memory."
+    )
+    assert (hip.device, xpu.device) == ("hip", "xpu")
+    assert xpu.allocated == round(195.5 * 1024)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "nvidia-smi says 2.00 GiB is free. I don't understand why it fails.",
+        "The GPU has 2.00 GiB free. Of the rest, most is used by Xorg.",
+        "Process 1234 has 3.00 GiB memory in use. That is the notebook server.",
+        "Including non-PyTorch memory in the budget is what the calculator does.",
+        "Of the allocated memory, most goes to activations.",
+    ],
+)
+def test_prose_about_free_memory_is_not_a_pytorch_tail(text):
+    assert parse_oom(text) is None
+
+
+def test_llama_cpp_prefers_the_exact_byte_count_and_names_the_device():
+    report = parse_oom(
+        "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 1234.56 MiB on device 0: cudaMalloc failed: "
+        "out of memory\nggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size 1294529987"
+    )
+    assert (report.source, report.device, report.gpu_index, report.requested) == (
+        "ggml",
+        "cuda",
+        0,
+        1294529987,
+    )
+    alone = parse_oom(
+        "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 1234.56 MiB on device 3: cudaMalloc failed: "
+        "out of memory"
+    )
+    assert (alone.gpu_index, alone.requested) == (3, round(1234.56 * MiB))
+    host = parse_oom("ggml_gallocr_reserve_n: failed to allocate CUDA_Host buffer of size 536870912")
+    assert (host.device, host.gpu_index, host.requested) == ("cpu", None, 536870912)
+    vulkan = parse_oom("llama_model_load: error loading model: unable to allocate Vulkan1 buffer")
+    assert (vulkan.device, vulkan.gpu_index, vulkan.requested) == ("gpu", 1, None)
+
+
+def test_onnxruntime_arena_and_cuda_call():
+    report = parse_oom(
+        "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running Conv node. "
+        "Status Message: bfc_arena.cc:376 onnxruntime::BFCArena::AllocateRawInternal Failed to allocate "
+        "memory for requested buffer of size 123456789"
+    )
+    assert (report.source, report.requested, report.device) == ("onnxruntime", 123456789, None)
+    limit = parse_oom(
+        "BFCArena::AllocateRawInternal Available memory of 0 is smaller than requested bytes of 123456"
+    )
+    assert (limit.requested, limit.free) == (123456, 0)
+    call = parse_oom(
+        "CUDA failure 2: out of memory ; GPU=3 ; hostname=h ; expr=cudaMalloc((void**)&p, size);"
+    )
+    assert (call.device, call.gpu_index, call.source) == ("cuda", 3, "driver")
+
+
+@pytest.mark.parametrize(
+    ("text", "requested", "allocated", "limit"),
+    [
+        (
+            "cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 1,234,567,168 bytes "
+            "(allocated so far: 9,876,543,488 bytes).",
+            1234567168,
+            9876543488,
+            None,
+        ),
+        (
+            "cupy.cuda.memory.OutOfMemoryError: Out of memory allocating 512 bytes "
+            "(allocated so far: 1,024 bytes, limit set to: 2,048 bytes).",
+            512,
+            1024,
+            2048,
+        ),
+        (
+            "out of memory to allocate 1073741824 bytes (total 12373894656 bytes)",
+            1073741824,
+            12373894656,
+            None,
+        ),
+    ],
+    ids=["v7", "v7-limit", "old"],
+)
+def test_cupy_pool(text, requested, allocated, limit):
+    report = parse_oom(text)
+    assert (report.source, report.device) == ("cupy", "cuda")
+    assert (report.requested, report.allocated, report.limit) == (requested, allocated, limit)
+
+
+def test_cupy_pinned_pool_is_host_memory_and_other_runtime_errors_are_not_oom():
+    frames = (
+        '  File "cupy/cuda/pinned_memory.pyx", line 268, in cupy.cuda.pinned_memory.PinnedMemoryPool.malloc\n'
+    )
+    report = parse_oom(
+        frames + "cupy.cuda.runtime.CUDARuntimeError: cudaErrorMemoryAllocation: out of memory"
+    )
+    assert (report.device, report.source) == ("cpu", "cupy")
+    # Without the pinned pool in the traceback it is the device's runtime error.
+    device = parse_oom("cupy.cuda.runtime.CUDARuntimeError: cudaErrorMemoryAllocation: out of memory")
+    assert (device.device, device.source) == ("cuda", "driver")
+    assert (
+        parse_oom(frames + "cupy.cuda.runtime.CUDARuntimeError: cudaErrorInvalidValue: invalid argument")
+        is None
+    )
+
+
+def test_vllm_reads_bytes_and_tokens():
+    v1 = parse_oom(
+        "ValueError: To serve at least one request with the models's max seq len (1048576), (24.00 GiB KV "
+        "cache is needed, which is larger than the available KV cache memory (9.97 GiB). Try increasing "
+        "`gpu_memory_utilization` or decreasing `max_model_len` when initializing the engine."
+    )
+    assert (v1.requested, v1.free, v1.tokens_requested, v1.tokens_capacity) == (
+        24 * GiB,
+        round(9.97 * GiB),
+        1048576,
+        None,
+    )
+    assert v1.text.startswith("To serve") and v1.text.endswith("initializing the engine.")
+    old = parse_oom(
+        "ValueError: The model's max seq len (4096) is larger than the maximum number of tokens that can be "
+        "stored in KV cache (3664). Try increasing gpu_memory_utilization or decreasing max_model_len when "
+        "initializing the engine."
+    )
+    assert (old.tokens_requested, old.tokens_capacity, old.requested) == (4096, 3664, None)
+    startup = parse_oom(
+        "ValueError: Free memory on device (3.22/4.0 GiB) on startup is less than desired GPU memory "
+        "utilization (0.9, 3.6 GiB). Decrease GPU memory utilization or reduce GPU memory used by other "
+        "processes."
+    )
+    assert (startup.free, startup.capacity, startup.requested, startup.device) == (
+        round(3.22 * GiB),
+        4 * GiB,
+        round(3.6 * GiB),
+        None,
+    )
+    assert is_oom(
+        ValueError("No available memory for the cache blocks. Try increasing `gpu_memory_utilization`")
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "ValueError: The decoder prompt (length 322) is longer than the maximum model length of 256.",
+        "Try increasing `gpu_memory_utilization` when initializing the engine.",
+        "INFO 02-26 09:54:05 worker.py:267] the current vLLM instance can use total_gpu_memory (8.00GiB) x "
+        "gpu_memory_utilization (0.70) = 5.60GiB",
+        "Maximum concurrency for 4096 tokens per request: 0.00x",
+        "llama_kv_cache_init:      CUDA0 KV buffer size =   379.23 MiB",
+        "ggml_cuda_host_malloc: failed to allocate 1900.00 MiB of pinned memory: invalid argument",
+        "CUDA failure 700: an illegal memory access was encountered ; GPU=0 ; hostname=h",
+        "CUDA failure 20: out of range ; GPU=0",
+        "onnx runtime error 2: not enough space: expected 318080, got 314240",
+        "pycuda._driver.LogicError: cuMemAllocManaged failed: invalid argument",
+        "Sorry, cudaMallocManaged() is not implemented in the current version.",
+    ],
+)
+def test_near_misses_of_the_new_formats_are_not_oom(text):
+    assert parse_oom(text) is None
+
+
+@pytest.mark.parametrize(
+    ("space", "requested", "capacity"),
+    [("hbm", round(17.52 * GiB), round(15.48 * GiB)), ("vmem", None, None), ("smem", None, None)],
+)
+def test_tpu_memory_spaces(space, requested, capacity):
+    used, total = ("17.52G", "15.48G") if space == "hbm" else ("1.00M", "1.00M")
+    report = parse_oom(
+        f"RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space {space}. "
+        f"Used {used} of {total} {space}. Exceeded {space} capacity by 2.04G."
+    )
+    # vmem and smem are the core's scratch memories: their sizes are not the device's.
+    assert (report.device, report.requested, report.capacity) == ("tpu", requested, capacity)
+    reserve = parse_oom(
+        "Attempting to reserve 6.52G at the bottom of memory. That was not possible. There are 4.23G free, "
+        "0B reserved, and 4.23G reservable."
+    )
+    assert (reserve.requested, reserve.free) == (round(6.52 * GiB), round(4.23 * GiB))
+
+
+@pytest.mark.parametrize(
+    ("text", "index"),
+    [
+        ("cudaMallocManaged failed: out of memory", None),
+        (
+            "RuntimeError: CUDA error: out of memory (cudaErrorMemoryAllocation) in cudaMallocManaged "
+            "on device 1",
+            1,
+        ),
+        ("cudaMallocManaged failed: out of memory (GPU 1)", 1),
+        ("CUDA error: out of memory\n  current device: 1, in function ggml_cuda_pool_malloc", 1),
+        ("Error on cuda:1: cudaMallocManaged failed: out of memory", 1),
+        ("CUDA1: cudaMallocManaged(&p, 1 << 34) failed: out of memory", 1),
+        ("cuMemAllocManaged failed: out of memory", None),
+        # A version is not a device.
+        ("CUDA error: out of memory (CUDA 12.1, driver 535)", None),
+    ],
+)
+def test_managed_memory_failures_and_the_device_they_name(text, index):
+    report = parse_oom(text)
+    assert (report.device, report.source, report.gpu_index) == ("cuda", "driver", index)
+
+
 # --- oommagic's own message ----------------------------------------------------------------------------
 
 ISSUE_EXAMPLE = (
@@ -364,7 +608,14 @@ def test_is_oom_recognises_torchs_own_classes():
 
 def test_reading_messages_needs_neither_torch_nor_ipython():
     package = pathlib.Path(__file__).parents[2] / "oommagic"
-    for name in ("oom/__init__.py", "oom/report.py", "oom/text.py", "oom/pytorch.py", "oom/runtimes.py", "sizes.py"):
+    for name in (
+        "oom/__init__.py",
+        "oom/report.py",
+        "oom/text.py",
+        "oom/pytorch.py",
+        "oom/runtimes.py",
+        "sizes.py",
+    ):
         tree = ast.parse((package / name).read_text(encoding="utf-8"))
         imported = {
             alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
@@ -397,3 +648,10 @@ def test_parse_reported_size(text, expected):
 def test_parse_reported_size_rejects_what_no_message_prints(text):
     with pytest.raises(ValueError):
         parse_reported_size(text)
+
+
+def test_library_failures_read_the_device_they_name():
+    report = parse_oom(
+        "CUBLAS failure 3: CUBLAS_STATUS_ALLOC_FAILED ; GPU=1 ; hostname=h ; expr=cublasCreate(&handle);"
+    )
+    assert (report.source, report.device, report.gpu_index) == ("cublas", "cuda", 1)
