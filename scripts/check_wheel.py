@@ -67,9 +67,9 @@ def problems(wheel: Path, build_dir: str | None = None, source_maps: bool = Fals
         if maps and not source_maps:
             found.append(f"source maps without being asked for: {maps}")
 
-        version = Parser().parsestr(zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode())[
-            "Version"
-        ]
+        version = Parser().parsestr(
+            zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        )["Version"]
         want = json.loads((ROOT / "labextension" / "package.json").read_text())["version"]
         if version != want:
             found.append(f"the wheel is version {version}, labextension/package.json says {want}")
@@ -87,7 +87,8 @@ def problems(wheel: Path, build_dir: str | None = None, source_maps: bool = Fals
             if build_dir and build_dir in text:
                 found.append(f"{name} holds the build directory {build_dir}")
             elif name.startswith(labext) and (match := ABSOLUTE_PATH.search(text)):
-                found.append(f"{name} holds an absolute path: ...{text[max(0, match.start() - 40) : match.end() + 40]}...")
+                context = text[max(0, match.start() - 40) : match.end() + 40]
+                found.append(f"{name} holds an absolute path: ...{context}...")
             if name.startswith(labext) and name.endswith(".js") and DEV_MODULE_MARK in text:
                 found.append(f"{name} is webpack's development output, not the production build")
     return found
