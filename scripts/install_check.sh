@@ -17,7 +17,13 @@ if [ ! -f "$WHEEL" ]; then
   exit 1
 fi
 WHEEL="$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")"
-WORK="${OOMMAGIC_INSTALL_DIR:-$(mktemp -d /tmp/oommagic-install-XXXXXX)}"
+if [ -n "${OOMMAGIC_INSTALL_DIR:-}" ]; then
+  WORK="$OOMMAGIC_INSTALL_DIR"
+else
+  # Our own directory: gone once every story passed, kept to look into when one failed.
+  WORK="$(mktemp -d /tmp/oommagic-install-XXXXXX)"
+  trap '[ $? = 0 ] && rm -rf "$WORK"' EXIT
+fi
 echo "== install stories for $(basename "$WHEEL") in $WORK"
 
 TORCH_DIR="$WORK/torch"

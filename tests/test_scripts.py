@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -58,16 +59,16 @@ def test_lab_sh_reaches_a_running_server_on_the_quickstart():
         text=True,
         start_new_session=True,
     )
+    # Read all along, so the server never blocks on a full pipe and the whole log is there to show.
     lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any("Use Control-C to stop this server" in line for line in lines):
                 break
-            lines.append(line)
-            if "Use Control-C to stop this server" in line:
-                break
+            time.sleep(0.2)
         log = "".join(lines)
         assert proc.poll() is None, f"lab.sh ended ({proc.returncode}):\n{log}"
         assert "Running as root is not recommended" not in log
@@ -80,7 +81,7 @@ def test_lab_sh_reaches_a_running_server_on_the_quickstart():
         assert re.search(rf"http://\S+:{port}/lab/tree/notebooks/quickstart\.ipynb\?token=", log), log
 
         base = f"http://127.0.0.1:{port}"
-        assert get(f"{base}/api/status", token)[0] == 200
+        assert get(f"{base}/api/status", token)[0] == 200, "".join(lines)
         status, body = get(f"{base}/api/contents/notebooks/quickstart.ipynb?content=0", token)
         assert status == 200 and json.loads(body)["type"] == "notebook"
         status, body = get(f"{base}/lab/tree/notebooks/quickstart.ipynb", token)
@@ -92,7 +93,7 @@ def test_lab_sh_reaches_a_running_server_on_the_quickstart():
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        proc.stdout.close()
+        reader.join(timeout=10)
 
 
 @needs_setup_venv
