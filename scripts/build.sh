@@ -24,19 +24,22 @@ if [ ! -x "$TOOLS/bin/python" ]; then
 fi
 "$TOOLS/bin/python" -m pip install -q build twine check-wheel-contents
 
-CLONE="$(mktemp -d /tmp/oommagic-release-XXXXXX)"
-trap 'rm -rf "$CLONE"' EXIT
+# The clone holds only what git has: logs, the build's output and tools live beside it, not in the sdist.
+WORK="$(mktemp -d /tmp/oommagic-release-XXXXXX)"
+trap 'rm -rf "$WORK"' EXIT
+CLONE="$WORK/oommagic"
 git clone -q "$ROOT" "$CLONE"
 echo "== python -m build (HEAD $(git -C "$CLONE" rev-parse --short HEAD))"
 if [ -n "${OOMMAGIC_SOURCE_MAPS:-}" ]; then
   # The hook's build:prod has no maps; build with them here and let the hook keep that build.
-  (cd "$CLONE" && "$TOOLS/bin/python" -m venv .buildenv && .buildenv/bin/pip install -q "jupyterlab>=4.1,<5" &&
-    cd labextension && PATH="$CLONE/.buildenv/bin:$PATH" jlpm install --immutable &&
-    PATH="$CLONE/.buildenv/bin:$PATH" jlpm run build:prod:maps)
+  "$PY" -m venv "$WORK/buildenv"
+  "$WORK/buildenv/bin/pip" install -q "jupyterlab>=4.1,<5"
+  (cd "$CLONE/labextension" && export PATH="$WORK/buildenv/bin:$PATH" && jlpm install --immutable &&
+    jlpm run build:prod:maps)
   export SKIP_JUPYTER_BUILDER=1
 fi
-"$TOOLS/bin/python" -m build --outdir "$CLONE/dist" "$CLONE" >"$CLONE/build.log" 2>&1 || {
-  tail -40 "$CLONE/build.log" >&2
+"$TOOLS/bin/python" -m build --outdir "$WORK/dist" "$CLONE" >"$WORK/build.log" 2>&1 || {
+  tail -40 "$WORK/build.log" >&2
   echo "build.sh: python -m build failed (log above)" >&2
   exit 1
 }
@@ -44,7 +47,7 @@ fi
 mkdir -p "$DIST"
 VERSION="$(cd "$CLONE/labextension" && node -p 'require("./package.json").version')"
 rm -f "$DIST/oommagic-$VERSION.tar.gz" "$DIST/oommagic-$VERSION-"*.whl
-cp "$CLONE"/dist/* "$DIST/"
+cp "$WORK"/dist/* "$DIST/"
 WHEEL="$(ls "$DIST/oommagic-$VERSION-"*.whl)"
 
 echo "== twine check"
@@ -54,5 +57,13 @@ echo "== check-wheel-contents"
 echo "== wheel contents"
 MAPS=()
 [ -n "${OOMMAGIC_SOURCE_MAPS:-}" ] && MAPS=(--source-maps)
-"$TOOLS/bin/python" "$ROOT/scripts/check_wheel.py" "$WHEEL" --build-dir "$CLONE" "${MAPS[@]}"
+"$TOOLS/bin/python" "$ROOT/scripts/check_wheel.py" "$WHEEL" --build-dir "$WORK" "${MAPS[@]}"
+echo "== sdist: what git has, the extension's production build and PKG-INFO, nothing else"
+EXTRA="$(comm -13 <(git -C "$CLONE" ls-files | sort) \
+  <(tar tzf "$DIST/oommagic-$VERSION.tar.gz" | grep -v '/$' | sed "s|^oommagic-$VERSION/||" | sort) |
+  grep -Ev '^(PKG-INFO|oommagic/labextension/.*)$' || true)"
+if [ -n "$EXTRA" ]; then
+  echo "build.sh: files in the sdist that git does not have: $EXTRA" >&2
+  exit 1
+fi
 echo "$WHEEL"
