@@ -110,4 +110,4 @@ def test_stored_notebooks_are_saved_as_jupyterlab_would_on_open():
         here["language_info"]["version"] = nb.metadata.get("language_info", {}).get("version")
         if nbformat.writes(clean_notebooks.cleaned(nb, here)) + "\n" != stored:
             stale.append(path.name)
-    assert not stale, f"run: python scripts/clean_notebooks.py   (stale: {stale})"
+    assert not stale, f"run: .venv/bin/python scripts/clean_notebooks.py   (stale: {stale})"
