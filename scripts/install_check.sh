@@ -65,7 +65,8 @@ check_labextension() {
 browser() {
   export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
   (cd "$ROOT/ui-tests" && { [ -d node_modules ] || "$WORK/lab/bin/jlpm" install --immutable; } &&
-    OOMMAGIC_VENV="$1" OOMMAGIC_UI_APP="$2" "$WORK/lab/bin/jlpm" playwright test -c playwright.install.config.ts)
+    OOMMAGIC_VENV="$1" OOMMAGIC_UI_APP="$2" OOMMAGIC_UI_ROOT="$(mkdir -p "$WORK/ui-$2" && echo "$WORK/ui-$2")" \
+    "$WORK/lab/bin/jlpm" playwright test -c playwright.install.config.ts)
 }
 
 echo "== term: pip install oommagic; ipython"

@@ -2,7 +2,8 @@
  * The browser half of scripts/install_check.sh: JupyterLab (OOMMAGIC_UI_APP=lab) or Notebook 7
  * (OOMMAGIC_UI_APP=notebook) from a virtualenv that the built wheel was pip-installed into
  * (OOMMAGIC_VENV), started with only that virtualenv's bin/ on its PATH: no Node.js, nothing built on
- * the spot. Its root directory is a fresh temporary one holding a copy of notebooks/quickstart.ipynb.
+ * the spot. Its root directory ($OOMMAGIC_UI_ROOT, else a fresh temporary one) gets a copy of
+ * notebooks/quickstart.ipynb.
  */
 import { copyFileSync, mkdtempSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -18,18 +19,18 @@ if (!process.env.OOMMAGIC_VENV) {
 }
 const VENV = resolve(process.env.OOMMAGIC_VENV);
 // Set once in the main process; the workers inherit it instead of making their own.
-if (!process.env.OOMMAGIC_UI_ROOT) {
-  process.env.OOMMAGIC_UI_ROOT = mkdtempSync(
-    join(tmpdir(), 'oommagic-install-root-')
-  );
-  copyFileSync(
-    resolve(__dirname, '../notebooks/quickstart.ipynb'),
-    join(process.env.OOMMAGIC_UI_ROOT, 'quickstart.ipynb')
-  );
-}
+process.env.OOMMAGIC_UI_ROOT ??= mkdtempSync(
+  join(tmpdir(), 'oommagic-install-root-')
+);
+const ROOT = process.env.OOMMAGIC_UI_ROOT;
+copyFileSync(
+  resolve(__dirname, '../notebooks/quickstart.ipynb'),
+  join(ROOT, 'quickstart.ipynb')
+);
 const APP_CLASS = APP === 'lab' ? 'LabApp' : 'JupyterNotebookApp';
-// No layout or settings of earlier runs (or of the person running this) restored into the page.
-const STATE = mkdtempSync(join(tmpdir(), 'oommagic-install-state-'));
+// No layout or settings of earlier runs (or of the person running this) restored into the page:
+// a hidden folder of the root, which the file browser does not list.
+const STATE = join(ROOT, '.jupyter-state');
 
 export default defineConfig({
   testDir: 'install',
@@ -59,7 +60,7 @@ export default defineConfig({
       `--port=${PORT}`,
       '--ServerApp.port_retries=0',
       `--IdentityProvider.token=${TOKEN}`,
-      `--ServerApp.root_dir=${process.env.OOMMAGIC_UI_ROOT}`,
+      `--ServerApp.root_dir=${ROOT}`,
       `--${APP_CLASS}.expose_app_in_browser=True`,
       `--${APP_CLASS}.workspaces_dir=${STATE}/workspaces`,
       `--${APP_CLASS}.user_settings_dir=${STATE}/settings`
