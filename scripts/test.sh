@@ -6,8 +6,8 @@ OOMMAGIC_EXTRAS="[test]" source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 export PATH="$VENV/bin:$PATH"
 
 echo "== ruff"
-ruff check oommagic tests benchmarks
-ruff format --check oommagic tests benchmarks
+ruff check oommagic tests benchmarks scripts
+ruff format --check oommagic tests benchmarks scripts
 
 echo "== lab extension unit tests"
 (cd labextension && jlpm test)
