@@ -17,10 +17,20 @@ from .rewrite import (
     changed_lines,
     insert_after_assignment,
     keep_numbers_source,
+    no_grad_source,
     rewrite_batch,
     set_call_keyword,
+    set_literal,
 )
-from .source import BatchGuess, calls_with_keyword, checkpoints, kept_sites, tokenizer_calls
+from .source import (
+    BatchGuess,
+    EvalBatch,
+    calls_with_keyword,
+    checkpoints,
+    eval_batch_literal,
+    kept_sites,
+    tokenizer_calls,
+)
 
 MIB = 1024**2
 # Measured on GPT-2 124M on an H200 (DESIGN.md): bf16 autocast cut the peak 16%, three times faster;
@@ -31,6 +41,7 @@ CHECKPOINTING_SAVING = 0.60
 MARGIN = 0.10
 # Bytes per parameter by dtype (float32 otherwise); 4-bit loading stores ~half a byte per weight.
 ELEMENT_SIZE = {"float64": 8, "double": 8, "float16": 2, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
+
 
 def _made(fig: Figures, kind: str, title: str, explanation: str, saving: int | None, **kw: Any) -> Remedy:
     # Every explanation ends by saying whether the saving covers what was missing.
@@ -344,10 +355,18 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     if remedy.kind == "truncate":
         for func in tokenizer_calls(source):
             cut = set_call_keyword(source, func, "truncation", True)
-            source = (cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)) or source
+            source = (
+                cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)
+            ) or source
         return source
     if remedy.kind == "keep_numbers":
         return keep_numbers_source(source) or source
+    if remedy.kind == "no_grad":
+        names = set(p.get("models", ()))
+        return no_grad_source(source, names, tuple(p.get("eval", ()))) or source
+    if remedy.kind == "eval_batch":
+        node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
+        return (set_literal(source, node, p["new"]) if node is not None else None) or source
     return source
 
 
@@ -449,7 +468,7 @@ def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Re
         code = "\n".join(f"# line {n}, was: {was}\n{now}" for n, was, now in sites)
     else:
         code = _KEEP_GENERIC
-    keep = _made(fig, "keep_numbers", "Keep numbers, not tensors, across steps", why, kept, code=code)
+    keep = keep_numbers(ctx, fig, kept, why, code)
     no_grad = Remedy(
         "no_grad",
         "Evaluate inside the loop under torch.no_grad()",
@@ -459,6 +478,110 @@ def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Re
         code=_NO_GRAD,
     )
     return [keep, no_grad]
+
+
+def keep_numbers(ctx: DiagnosisContext, fig: Figures, saving: int | None, why: str, code: str) -> Remedy:
+    """Each kept value of the cell's loops kept as ``.item()`` (a loss) or ``.detach().cpu()`` (an output):
+    a button where the cell itself has such a statement, the snippet otherwise."""
+    new_source = keep_numbers_source(ctx.source)
+    new_source = new_source if new_source != ctx.source else None
+    return _made(
+        fig,
+        "keep_numbers",
+        "Keep numbers, not tensors, across steps"
+        if new_source is None
+        else "Keep " + ", ".join(f"`{s.replacement}`" for s in kept_sites(ctx.source)) + " across iterations",
+        why,
+        saving,
+        code=code,
+        automatic=new_source is not None,
+        new_source=new_source,
+    )
+
+
+def kept_in_loop(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
+    """``keep_numbers`` for a loop that keeps tensors with no optimizer step to measure growth by."""
+    sites = kept_sites(ctx.source)
+    why = (
+        "A tensor kept across iterations keeps its memory, and one that came out of a forward pass with "
+        "autograd on keeps that pass's graph and activations too. A loss is kept as a Python number "
+        "(`.item()`), an output as a detached copy in host memory (`.detach().cpu()`)."
+    )
+    code = "\n".join(f"# line {s.line}, was: {s.was}\n{s.now}" for s in sites) or _KEEP_GENERIC
+    return keep_numbers(ctx, fig, saving, why, code)
+
+
+def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
+    """The cell's work under ``torch.inference_mode()``, with ``model.eval()`` for models in training mode
+    that have dropout or batch norm."""
+    names = {m.name.split(".", 1)[0] for m in ctx.models}
+    to_eval = tuple(m.name for m in ctx.models if m.train_mode and m.mode_layers and m.name.isidentifier())
+    new_source = no_grad_source(ctx.source, names, to_eval)
+    why = (
+        "With autograd on, every forward pass records a graph and keeps the activations the backward pass "
+        "would need; nothing here calls backward. Under `torch.inference_mode()` none is kept (use "
+        "`torch.no_grad()` instead if these outputs later feed a backward pass)."
+    )
+    if to_eval:
+        why += (
+            f" {', '.join(to_eval)} {'is' if len(to_eval) == 1 else 'are'} in training mode with dropout or "
+            "batch norm: `.eval()` gives evaluation results."
+        )
+    return _made(
+        fig,
+        "no_grad",
+        "Run under torch.inference_mode()" + (f" with {', '.join(to_eval)}.eval()" if to_eval else ""),
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else "with torch.inference_mode():\n    ...",
+        automatic=new_source is not None,
+        params={"models": sorted(names), "eval": list(to_eval)},
+        new_source=new_source,
+    )
+
+
+def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) -> Remedy:
+    """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is."""
+    node = eval_batch_literal(ctx.source, batch)
+    new_source = set_literal(ctx.source, node, new) if node is not None else None
+    saving = fig.activations * (batch.value - new) // batch.value if fig.activations else None
+    why = (
+        f"The failure came in an evaluation, whose memory scales with its own batch ({batch.name} of "
+        f"{batch.owner}); the training batch is left as it is. Evaluation results do not depend on its "
+        "batch size."
+    )
+    if batch.name == "per_device_eval_batch_size":
+        why += (
+            " Where the predictions pile up on the GPU until the end of the evaluation, "
+            "`eval_accumulation_steps=N` moves them to host memory every N steps."
+        )
+    return _made(
+        fig,
+        "eval_batch",
+        f"Evaluation batch {batch.value} → {new}",
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else f"{batch.name}={new}",
+        automatic=new_source is not None,
+        params={"name": batch.name, "owner": batch.owner, "old": batch.value, "new": new},
+        new_source=new_source,
+    )
+
+
+def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:
+    shown = ", ".join(dict.fromkeys(holders[:4]))
+    return _made(
+        fig,
+        "free_pinned",
+        f"Give back the {fmt(pinned)} pinned by {shown}",
+        "Clears the frames of earlier errors' tracebacks (the exceptions stay, without their locals), drops "
+        "the output-history entries that hold device memory, and closes suspended generators that do; "
+        "no kernel restart. The same as `%gpumem --free`.",
+        pinned,
+        code="%gpumem --free",
+        automatic=True,
+        params={"holders": list(dict.fromkeys(holders))},
+    )
 
 
 # --- generation and input length -----------------------------------------------------------------------

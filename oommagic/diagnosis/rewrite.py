@@ -101,7 +101,9 @@ def _lightning_trainer_calls(tree: ast.Module) -> list[ast.Call]:
         and dotted_name(n.func).rsplit(".", 1)[-1] == "Trainer"
         and not any(k.arg == "args" for k in n.keywords)
         and not any(k.arg == "accumulate_grad_batches" for k in n.keywords)
-        and any(k.arg in ("max_epochs", "max_steps", "accelerator", "devices", "precision") for k in n.keywords)
+        and any(
+            k.arg in ("max_epochs", "max_steps", "accelerator", "devices", "precision") for k in n.keywords
+        )
     ]
 
 
@@ -227,7 +229,9 @@ def accumulate_loops(source: str, steps: int, counter: str = "micro_step") -> st
         return None
     for loop in loops:
         loop_indent = src.lines[loop.lineno - 1][: loop.col_offset]
-        edits.append((src.starts[loop.lineno - 1], src.starts[loop.lineno - 1], f"{loop_indent}{counter} = 0\n"))
+        edits.append(
+            (src.starts[loop.lineno - 1], src.starts[loop.lineno - 1], f"{loop_indent}{counter} = 0\n")
+        )
         if isinstance(loop, ast.For) and _is_range_call(loop.iter):
             arg = loop.iter.args[-1] if len(loop.iter.args) == 1 else None
             if arg is not None:
@@ -310,7 +314,11 @@ def _loss_of(backward: ast.Call) -> ast.expr:
 
 def _owner(call: ast.Call) -> str:
     """The last name of what a method is called on (``scaler`` in ``self.scaler.step(opt)``)."""
-    return dotted_name(call.func.value).rsplit(".", 1)[-1].lower() if isinstance(call.func, ast.Attribute) else ""
+    return (
+        dotted_name(call.func.value).rsplit(".", 1)[-1].lower()
+        if isinstance(call.func, ast.Attribute)
+        else ""
+    )
 
 
 def keep_numbers_source(source: str) -> str | None:
@@ -322,3 +330,42 @@ def keep_numbers_source(source: str) -> str | None:
     if not sites:
         return None
     return _checked(_apply(source, [(s.start, s.end, s.replacement) for s in sites]))
+
+
+def wrap_lines(source: str, first: int, last: int, header: str, before: tuple[str, ...] = ()) -> str | None:
+    """Return the cell with lines ``first``..``last`` (1-based, whole statements at one indentation) put
+    in a block under ``header`` (``with torch.inference_mode():``), and ``before`` on their own lines
+    above it. None where the result does not parse."""
+    lines = source.split("\n")
+    block = lines[first - 1 : last]
+    indent = block[0][: len(block[0]) - len(block[0].lstrip())]
+    body = [("    " + line) if line.strip() else line for line in block]
+    head = [indent + b for b in before] + [indent + header]
+    return _checked("\n".join([*lines[: first - 1], *head, *body, *lines[last:]]))
+
+
+def no_grad_source(
+    source: str, names: frozenset[str] | set[str] = frozenset(), eval_models: tuple[str, ...] = ()
+) -> str | None:
+    """The cell with its work (the top-level statements that use ``names``, else all of them but imports,
+    definitions and literal assignments) run under ``torch.inference_mode()``, with ``model.eval()`` for
+    each of ``eval_models`` above it; ``import torch`` added where the cell does not name torch. None where
+    there is nothing to wrap."""
+    from .source import work_span
+
+    span = work_span(source, names)
+    if span is None:
+        return None
+    tree = tree_of(source)
+    named = tree is not None and any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    before = tuple(f"{m}.eval()" for m in eval_models)
+    wrapped = wrap_lines(source, *span, "with torch.inference_mode():", before)
+    if wrapped is None or named:
+        return wrapped
+    return _checked("import torch\n" + wrapped)
+
+
+def set_literal(source: str, node: ast.expr, value: object) -> str | None:
+    """The cell with the literal ``node`` (from this source's parse) replaced by ``repr(value)``."""
+    src = SourceText(source)
+    return _checked(_apply(source, [(*src.span(node), repr(value))]))

@@ -20,7 +20,7 @@ from ..timeline import Timeline
 from . import remedies as fix
 from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, figures
 from .remedies import MARGIN
-from .source import BatchGuess, names_read
+from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read
 
 __all__ = [
     "BatchGuess",
@@ -56,6 +56,9 @@ WEIGHT = {
     "async_error": 2.0,  # the figures may point at the wrong line: find the real one first
     "too_large": 1.5,  # nothing short of a smaller model or another card makes it fit
     "growth": 1.0,  # measured: the bytes kept across steps
+    "kept": 1.0,  # read from the namespace at the failure: what the loop's list or total held
+    "autograd": 1.0,
+    "pinned": 1.0,  # measured: bytes held by an earlier error's traceback, the output history, ...
     "fragmentation": 1.0,
     "leftovers": 1.0,
     "other_processes": 0.9,
@@ -148,7 +151,7 @@ def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     freeable = sum(lo.bytes for lo in free)
     # Models are leftovers too when gathered from a namespace; a hand-built context may list them only once.
     named = max(sum(lo.bytes for lo in held), sum(m.param_bytes for m in ctx.models))
-    unaccounted = ctx.before_allocated - named
+    unaccounted = ctx.before_allocated - named - sum(p.bytes for p in ctx.pins)
     big_unaccounted = fig.budget is not None and unaccounted >= FRAGMENTED_SHARE * fig.budget
     if freeable < NOTICEABLE and not big_unaccounted:
         return None
@@ -211,9 +214,12 @@ def _state_words(m: ModelInfo) -> str:
 
 def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     growth = _step_growth(ctx.timeline, fig)
-    if ctx.generation or not (fig.training or ctx.batch or growth):
+    if ctx.generation or not (fig.training or ctx.batch or growth or ctx.evaluating):
         return None
-    batch, note = _batch_remedy(ctx, fig, fig.training)
+    if ctx.evaluating:
+        batch, note = _eval_batch_remedy(ctx, fig)
+    else:
+        batch, note = _batch_remedy(ctx, fig, fig.training)
     evidence = _split_evidence(ctx, fig) + growth + note
     remedies = [batch]
     if ctx.autocast_on:
@@ -224,8 +230,34 @@ def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) 
         remedies.append(fix.checkpointing(ctx, fig))
         on = [m.name for m in ctx.models if m.checkpointing_on]
         evidence += f" Gradient checkpointing is already on for {', '.join(on)}." if on else ""
-    title = "Activations of the batch" + (" in training" if fig.training else "")
+    title = "Activations of the batch" + (
+        " in training" if fig.training else " in evaluation" if ctx.evaluating else ""
+    )
     return _finding("activations", title, evidence, remedies, fig)
+
+
+def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | None, str]:
+    """The evaluation batch halved (never the training batch: the failure came in an evaluation)."""
+    where = _where(ctx)
+    note = f" The failure came in an evaluation{where}, so the training batch is not the knob."
+    found = ctx.eval_batch
+    if found is None:
+        return None, note + (
+            " No evaluation batch size is set in the cell (`per_device_eval_batch_size=`, or `batch_size=` "
+            "of the loader the failing loop reads)."
+        )
+    if found.value < 2:
+        return None, note + f" Its {found.name} is already 1."
+    return fix.eval_batch(ctx, fig, found, found.value // 2), note
+
+
+def _where(ctx: DiagnosisContext) -> str:
+    """' (line 7 of the cell, in evaluation_loop())' from the failing frames."""
+    line = ctx.failing_line
+    inner = next((f.function for f in reversed(ctx.frames) if not f.in_cell), None)
+    parts = [f"line {line} of the cell" if line else "", f"in {inner}()" if inner else ""]
+    text = ", ".join(p for p in parts if p)
+    return f" ({text})" if text else ""
 
 
 def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
@@ -407,6 +439,108 @@ def _growth(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Fi
     return _finding("growth", "Memory grows every step", evidence, remedies, fig, saving=growth.kept)
 
 
+def _kept(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """A loop of the cell keeps tensors (often with their graphs) from every iteration: read from what its
+    lists and totals held at the failure, where no optimizer steps show the growth."""
+    sites = kept_sites(ctx.source)
+    if not sites or _retained_growth(ctx.timeline, fig) is not None:
+        return None
+    held = [k for k in ctx.kept if k.items >= 2 or k.graphs]
+    kept_bytes = sum(k.bytes for k in held)
+    graphs = sum(k.graphs for k in held)
+    grown = fig.demand - ctx.before_allocated if fig.demand is not None else None
+    if not held or not (_matters(kept_bytes, fig) or (graphs >= 2 and grown and _matters(grown, fig))):
+        return None
+    what = "; ".join(
+        f"`{k.name}` held {k.items} tensors, {fmt(k.bytes)} on the device"
+        + (f", {k.graphs} of them with their autograd graph" if k.graphs else "")
+        for k in held
+    )
+    lines = ", ".join(f"line {s.line} `{s.was}`" for s in sites)
+    evidence = f"The cell's loop keeps a value of every iteration ({lines}). At the failure {what}."
+    if grown:
+        evidence += f" The cell had allocated {fmt(grown)} more than before it started."
+    if graphs:
+        evidence += (
+            " Each graph keeps the activations of its forward pass alive, which is more than the kept "
+            "tensors' own bytes."
+        )
+    items = max(k.items for k in held)
+    # What stays is one iteration's worth; the rest of what grew was kept for nothing.
+    saving = grown * (items - 1) // items if grown and graphs else kept_bytes
+    remedies = [fix.kept_in_loop(ctx, fig, saving)]
+    if graphs and _autograd_wasted(ctx):
+        remedies.append(fix.no_grad(ctx, fig, saving))
+    return _finding("kept", "Tensors kept across iterations", evidence, remedies, fig)
+
+
+def _matters(nbytes: int, fig: Figures) -> bool:
+    """Large enough to be a cause: above the noise, or a quarter of the budget on a small (emulated) one."""
+    return nbytes >= NOTICEABLE or bool(fig.budget and nbytes >= FRAGMENTED_SHARE * fig.budget)
+
+
+def _autograd_wasted(ctx: DiagnosisContext) -> bool:
+    """Autograd was on where the error came, in a run that neither trains nor generates."""
+    if ctx.generation or ctx.training or ctx.grad_enabled is not True:
+        return False
+    line = ctx.failing_line
+    return line not in grad_off_lines(ctx.source) if line is not None else not disables_grad(ctx.source)
+
+
+def _autograd(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """Inference or evaluation with autograd on: graphs recorded that no backward pass will use."""
+    if not _autograd_wasted(ctx):
+        return None
+    grad_models = [m for m in ctx.models if m.trainable_bytes]
+    graphs = sum(k.graphs for k in ctx.kept)
+    if not grad_models and not graphs:
+        return None
+    parts = []
+    if grad_models:
+        parts.append(
+            ", ".join(
+                f"{m.name} has {fmt(m.trainable_bytes)} of parameters that require grad" for m in grad_models
+            )
+        )
+    if graphs:
+        parts.append(f"{graphs} outputs kept by the cell carry their autograd graph")
+    line = ctx.failing_line
+    evidence = (
+        "Autograd was on where the error came"
+        + (f" (line {line} of the cell)" if line else "")
+        + ": "
+        + "; ".join(parts)
+        + ", and the cell runs no backward pass, so every forward pass kept the activations a backward "
+        "pass would need."
+    )
+    if fig.demand is not None:
+        evidence += f" The cell needed {fmt(fig.demand)} at its peak"
+        if fig.activations:
+            evidence += f", {fmt(fig.activations)} beyond the {fmt(fig.fixed)} of weights and earlier memory"
+        evidence += "."
+    saving = fig.activations
+    return _finding("autograd", "Autograd on in inference", evidence, [fix.no_grad(ctx, fig, saving)], fig)
+
+
+def _pinned(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """Device memory held outside the namespace's variables while the cell ran."""
+    pinned = sum(p.bytes for p in ctx.pins)
+    if not _matters(pinned, fig):
+        return None
+    shown = "; ".join(f"{fmt(p.bytes)} by {p.chain}" for p in ctx.pins[:6])
+    evidence = (
+        f"{fmt(pinned)} of device memory was held outside the namespace's variables when the cell ran: "
+        f"{shown}. No variable you can `del` holds it; `%gpumem --free` gives it back without a restart."
+    )
+    if any(p.holder.startswith("sys.last") for p in ctx.pins):
+        evidence += (
+            " An earlier error's traceback keeps the frames (and tensors) of the cell that failed: common "
+            "when a cell ran out of memory before `%%gpumem` was in use."
+        )
+    remedy = fix.free_pinned(fig, pinned, [p.holder for p in ctx.pins])
+    return _finding("pinned", "Memory pinned by earlier cells", evidence, [remedy], fig, saving=pinned)
+
+
 def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     tl = ctx.timeline
     done = tl.step_peaks()[1:-1]  # full steps: not the first (no Adam state), not the failing one
@@ -480,6 +614,9 @@ RULES: tuple[Rule, ...] = (
     _activations,
     _generation,
     _growth,
+    _kept,
+    _autograd,
+    _pinned,
     _long_samples,
     _reserved_churn,
     _limit,

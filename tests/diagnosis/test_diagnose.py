@@ -514,10 +514,14 @@ def test_memory_kept_every_step_is_a_leak_not_a_long_batch():
     assert found[0].key == "growth"
 
 
-def test_memory_kept_every_step_comes_with_snippets_not_buttons():
+def test_memory_kept_every_step_comes_with_a_button_that_rewrites_the_keeping_lines():
     growth = finding(diagnose(plain_24(), training_ctx(source=LEAKY_LOOP, timeline=leak())), "growth")
-    assert not any(r.automatic or r.new_source for r in growth.remedies)
     keep = remedy(growth, "keep_numbers")
+    assert keep.automatic
+    assert keep.new_source == LEAKY_LOOP.replace("losses.append(loss)", "losses.append(loss.item())").replace(
+        "preds.append(out.logits)", "preds.append(out.logits.detach().cpu())"
+    )
+    assert keep.title == "Keep `loss.item()`, `out.logits.detach().cpu()` across iterations"
     assert keep.saving == 23 * 512 * MiB
     assert "covers the 1.50 GiB the failed request lacked" in keep.explanation
     assert "line 8, `losses.append(loss)`" in keep.explanation
