@@ -163,7 +163,10 @@ class GpuMemMagics(Magics):
 
         session = self._session()
         spec = RunSpec(
-            source=cell, options=options, cell_id=cell_id(self.shell), execution_count=self.shell.execution_count
+            source=cell,
+            options=options,
+            cell_id=cell_id(self.shell),
+            execution_count=self.shell.execution_count,
         )
         if options.find_batch:
             from .run.batch_search import find_batch

@@ -254,7 +254,10 @@ def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | No
 def _where(ctx: DiagnosisContext) -> str:
     """' (line 7 of the cell, in evaluation_loop())' from the failing frames."""
     line = ctx.failing_line
-    inner = next((f.function for f in reversed(ctx.frames) if not f.in_cell), None)
+    last = max((i for i, f in enumerate(ctx.frames) if f.in_cell), default=None)
+    # The first library function the cell called there: the one a person recognises.
+    after = ctx.frames[last + 1 :] if last is not None else ()
+    inner = next((f.function for f in after if not f.function.startswith(("_", "<"))), None)
     parts = [f"line {line} of the cell" if line else "", f"in {inner}()" if inner else ""]
     text = ", ".join(p for p in parts if p)
     return f" ({text})" if text else ""
@@ -272,10 +275,9 @@ def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
     line += f": {fmt(fig.fixed)} that does not grow with the batch"
     line += f" ({', '.join(what)})" if what else ""
     line += f", about {fmt(fig.activations)} that does"
-    if ctx.batch:
-        line += (
-            f" ({fmt(fig.activations // ctx.batch.value)} per sample at {ctx.batch.name}={ctx.batch.value})"
-        )
+    batch = ctx.eval_batch if ctx.evaluating else ctx.batch
+    if batch:
+        line += f" ({fmt(fig.activations // batch.value)} per sample at {batch.name}={batch.value})"
     return line + "."
 
 
@@ -544,7 +546,7 @@ def _pinned(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Fi
 def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     tl = ctx.timeline
     done = tl.step_peaks()[1:-1]  # full steps: not the first (no Adam state), not the failing one
-    if len(done) < 2 or fig.demand is None or ctx.has_truncation:
+    if len(done) < 2 or fig.demand is None or ctx.has_truncation or ctx.evaluating:
         return None
     median = sorted(done)[len(done) // 2]
     if fig.demand < LONG_STEP * median:

@@ -135,13 +135,15 @@ def free_pinned(shell: Any, device: str, measure: Callable[[], int] | None = Non
 
     import torch
 
-    from ..diagnosis.context import IPYTHON_NAME, held_by
+    from ..diagnosis.context import IPYTHON_NAME, held_by, instance_dict
 
     where = torch.device(device)
     measure = measure or (lambda: allocated_on(device))
     before = measure()
 
     def holds(value: Any) -> bool:
+        if value is None or isinstance(value, str):
+            return False
         try:
             return bool(held_by("", value, where)[1])
         except Exception:
@@ -165,9 +167,19 @@ def free_pinned(shell: Any, device: str, measure: Callable[[], int] | None = Non
         for key in [k for k, v in out.items() if holds(v)]:
             del out[key]
             ns.pop(f"_{key}", None)
+    # IPython keeps the last outputs three times: in the namespace, in the hidden namespace (`push` with
+    # interactive=False) and as attributes of its display hook.
+    hidden = getattr(shell, "user_ns_hidden", {})
+    hook = getattr(shell, "displayhook", None)
     for name in ("_", "__", "___"):
         if name in ns and holds(ns[name]):
             ns[name] = ""
+        if name in hidden and holds(hidden[name]):
+            hidden[name] = ""
+        if hook is not None and holds(instance_dict(hook).get(name)):
+            setattr(hook, name, "")
+    for name in [k for k, v in hidden.items() if IPYTHON_NAME.fullmatch(k) and k[1:].isdigit() and holds(v)]:
+        del hidden[name]
     for name, value in list(ns.items()):
         if IPYTHON_NAME.fullmatch(name):
             continue

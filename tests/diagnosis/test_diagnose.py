@@ -262,7 +262,12 @@ def test_training_batch_halved_with_accumulation_keeping_the_effective_batch():
     batch = remedy(act, "batch")
     assert batch.title == "Batch 64 → 32, accumulate 2 steps"
     assert batch.params == {
-        "name": "batch_size", "old": 64, "new": 32, "accumulate": 2, "where": "source", "keeps_effective": True
+        "name": "batch_size",
+        "old": 64,
+        "new": 32,
+        "accumulate": 2,
+        "where": "source",
+        "keeps_effective": True,
     }
     # The loop itself gets the accumulation: the loss divided, the optimizer stepped every 2 micro-batches.
     assert batch.automatic and batch.new_source == LOOP.replace("batch_size = 64", "batch_size = 32").replace(
