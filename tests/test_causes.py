@@ -9,7 +9,6 @@ them.
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 import torch
@@ -293,3 +292,60 @@ def test_the_scan_reads_no_grad_of_a_non_leaf_tensor_and_stays_silent(shell, run
     assert ".grad attribute of a Tensor that is not a leaf" not in out
     for name in ("w7", "non_leaf7"):
         shell.user_ns.pop(name, None)
+
+
+# --- 5. weights too large for the budget ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory) -> str:
+    """A GPT-2 of 20 MiB float32 weights saved as a local checkpoint (random weights, no download)."""
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("gpt2")
+    config = transformers.GPT2Config(n_embd=256, n_layer=4, n_head=4, vocab_size=8192, n_positions=256)
+    transformers.GPT2LMHeadModel(config).save_pretrained(path)
+    return str(path)
+
+
+def test_float32_weights_that_fit_in_bfloat16_are_loaded_in_bfloat16(shell, run_cell, tiny_gpt2):
+    shell.user_ns["path5"] = tiny_gpt2
+    run_cell("%%gpumem --quiet\nids5 = torch.randint(0, 8192, (4, 64))\nids5 + 0;")
+    cell = (
+        "from transformers import AutoModelForCausalLM\n"
+        "model5 = AutoModelForCausalLM.from_pretrained(path5)\n"
+        "with torch.no_grad():\n"
+        "    logits5 = model5(ids5).logits\n"
+    )
+    run_cell(f"%%gpumem --limit {limit_above(16 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom"
+    keys = [f.key for f in run.findings]
+    assert "weights" in keys and "too_large" not in keys
+    weights = finding(run, "weights")
+    assert "line 2 `AutoModelForCausalLM.from_pretrained(" in weights.evidence
+    assert "loads 20.31 MiB of float32 weights" in weights.evidence
+    assert "In bfloat16 they take 10.15 MiB." in weights.evidence
+    # bitsandbytes is not installed here: the 4-bit fix says how to install it and is no button.
+    four = next(r for r in weights.remedies if r.params.get("bits") == 4)
+    assert not four.automatic and "pip install bitsandbytes" in four.title
+    assert four.code.startswith("%pip install bitsandbytes")
+    bf16 = next(r for r in weights.remedies if r.params.get("dtype") == "bfloat16")
+    assert bf16.automatic
+    assert bf16.new_source == "import torch\n" + cell.replace("(path5)", "(path5, dtype=torch.bfloat16)")
+    retried(shell, run, bf16)
+    assert shell.user_ns["model5"].dtype == torch.bfloat16
+    for name in ("model5", "ids5", "logits5", "path5"):
+        shell.user_ns.pop(name, None)
+
+
+def test_weights_quiet_when_they_are_a_small_share_of_the_budget():
+    from oommagic.diagnosis.findings import DiagnosisContext, ModelInfo
+    from oommagic.diagnosis.rules import diagnose
+
+    small = DiagnosisContext(models=(ModelInfo("m", 10 * MiB),), limit=256 * MiB)
+    assert "weights" not in {f.key for f in diagnose(None, small)}
+    big = DiagnosisContext(models=(ModelInfo("m", 200 * MiB, is_hf=True),), limit=256 * MiB)
+    found = {f.key: f for f in diagnose(None, big)}
+    assert "m holds 200.00 MiB of float32 weights on the device: 78% of the 256.00 MiB limit" in (
+        found["weights"].evidence
+    )

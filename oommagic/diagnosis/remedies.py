@@ -17,6 +17,7 @@ from .rewrite import (
     changed_lines,
     insert_after_assignment,
     keep_numbers_source,
+    load_source,
     no_grad_source,
     rewrite_batch,
     set_call_keyword,
@@ -364,6 +365,18 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     if remedy.kind == "no_grad":
         names = set(p.get("models", ()))
         return no_grad_source(source, names, tuple(p.get("eval", ()))) or source
+    if remedy.kind == "quantize" and p.get("loads"):
+        if p.get("dtype"):
+            keyword = p.get("keyword", "dtype")
+            return load_source(source, {keyword: "torch.bfloat16"}, ("import torch",)) or source
+        quant = "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)"
+        imports = ("import torch", "from transformers import BitsAndBytesConfig")
+        return load_source(source, {"quantization_config": quant}, imports) or source
+    if remedy.kind == "quantize" and p.get("models"):
+        return "import torch\n" + "".join(f"{n}.to(torch.bfloat16)\n" for n in p["models"]) + source
+    if remedy.kind == "offload":
+        mem = f'{{0: "{p["max_memory_gib"]}GiB", "cpu": "64GiB"}}'
+        return load_source(source, {"device_map": '"auto"', "max_memory": mem}) or source
     if remedy.kind == "eval_batch":
         node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
         return (set_literal(source, node, p["new"]) if node is not None else None) or source
@@ -582,6 +595,99 @@ def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:
         automatic=True,
         params={"holders": list(dict.fromkeys(holders))},
     )
+
+
+def _dtype_keyword(version: str | None) -> str:
+    """transformers 4.56 renamed ``torch_dtype=`` to ``dtype=``; older versions only know the first."""
+    try:
+        major, minor = (int(x) for x in (version or "5.0").split(".")[:2])
+    except ValueError:
+        return "dtype"
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def weights_remedies(
+    ctx: DiagnosisContext, fig: Figures, fp32_bytes: int, loads: bool, hf_names: list[str]
+) -> list[Remedy | None]:
+    """bfloat16 weights, 4-bit loading, offload: rewrites of the cell's ``from_pretrained`` call where it
+    has one (``loads``), else bfloat16 for the Hugging Face models in the namespace (``hf_names``)."""
+    out: list[Remedy | None] = []
+    half = fp32_bytes // 2
+    why = "bfloat16 stores each weight in 2 bytes instead of float32's 4; results differ only in rounding."
+    keyword = _dtype_keyword(ctx.transformers_version)
+    if loads:
+        new = load_source(ctx.source, {keyword: "torch.bfloat16"}, ("import torch",))
+    elif hf_names:
+        lines = "\n".join(f"{n}.to(torch.bfloat16)" for n in hf_names)
+        new = f"import torch\n{lines}\n{ctx.source}"
+    else:
+        new = None
+    new = new if new != ctx.source else None
+    code = changed_lines(ctx.source, new) if new else "model = model.to(torch.bfloat16)"
+    out.append(
+        _made(
+            fig,
+            "quantize",
+            "bfloat16 weights",
+            why,
+            half,
+            code=code,
+            automatic=new is not None,
+            params={"dtype": "bfloat16", "loads": loads, "models": hf_names, "keyword": keyword},
+            new_source=new,
+        )
+    )
+    if not loads:
+        return out
+    four = fp32_bytes * 7 // 8  # 4-bit: about half a byte per weight instead of 4
+    has_bnb = "bitsandbytes" in ctx.installed
+    quant = "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)"
+    new = (
+        load_source(
+            ctx.source,
+            {"quantization_config": quant},
+            ("import torch", "from transformers import BitsAndBytesConfig"),
+        )
+        if has_bnb
+        else None
+    )
+    title = "4-bit weights (bitsandbytes)" if has_bnb else "4-bit weights: first `pip install bitsandbytes`"
+    out.append(
+        _made(
+            fig,
+            "quantize",
+            title,
+            "bitsandbytes stores each weight in about half a byte and computes in bfloat16 (8-bit: "
+            "`load_in_8bit=True`, one byte)."
+            + ("" if has_bnb else " It is not installed in this kernel: install it, restart, then retry."),
+            four,
+            code=(changed_lines(ctx.source, new) if new else "%pip install bitsandbytes\n" + _LOAD_4BIT),
+            automatic=new is not None,
+            params={"bits": 4, "loads": True},
+            new_source=new,
+        )
+    )
+    if fig.budget and ctx.device.startswith("cuda"):
+        gib = max(int(fig.budget * (1 - MARGIN)) // 1024**3, 1)
+        has_acc = "accelerate" in ctx.installed
+        keywords = {"device_map": '"auto"', "max_memory": f'{{0: "{gib}GiB", "cpu": "64GiB"}}'}
+        new = load_source(ctx.source, keywords) if has_acc else None
+        out.append(
+            _made(
+                fig,
+                "offload",
+                "Offload layers to CPU memory (device_map='auto')"
+                + ("" if has_acc else ": first `pip install accelerate`"),
+                f"Accelerate keeps at most {gib} GiB of layers on the GPU and the rest in CPU memory, moving "
+                "each in when it runs: it fits, but runs much slower.",
+                max(fp32_bytes - fig.budget, 0) or None,
+                code=changed_lines(ctx.source, new) if new else "%pip install accelerate",
+                automatic=new is not None,
+                params={"device_map": "auto", "max_memory_gib": gib},
+                new_source=new,
+            )
+        )
+    return out
 
 
 # --- generation and input length -----------------------------------------------------------------------

@@ -369,3 +369,25 @@ def set_literal(source: str, node: ast.expr, value: object) -> str | None:
     """The cell with the literal ``node`` (from this source's parse) replaced by ``repr(value)``."""
     src = SourceText(source)
     return _checked(_apply(source, [(*src.span(node), repr(value))]))
+
+
+class Code(str):
+    """Source text passed as a keyword's value: written as it is, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def load_source(source: str, keywords: dict[str, str], imports: tuple[str, ...] = ()) -> str | None:
+    """The cell with ``keywords`` (name → source text) set in every ``from_pretrained(...)`` call, an
+    existing ``torch_dtype=`` replaced where ``dtype`` is set, and ``imports`` above the cell where it does
+    not have them. None where the cell makes no such call."""
+    new = source
+    if "dtype" in keywords and "torch_dtype=" in source:
+        keywords = {("torch_dtype" if k == "dtype" else k): v for k, v in keywords.items()}
+    for keyword, text in keywords.items():
+        new = set_call_keyword(new, "from_pretrained", keyword, Code(text))
+        if new is None:
+            return None
+    missing = [line for line in imports if line not in new]
+    return _checked("\n".join([*missing, new])) if missing else new

@@ -55,6 +55,7 @@ GROWTH_SHARE = 0.5
 WEIGHT = {
     "async_error": 2.0,  # the figures may point at the wrong line: find the real one first
     "too_large": 1.5,  # nothing short of a smaller model or another card makes it fit
+    "weights": 1.2,  # the weights' own bytes, from the checkpoint on disk or the model in the namespace
     "growth": 1.0,  # measured: the bytes kept across steps
     "kept": 1.0,  # read from the namespace at the failure: what the loop's list or total held
     "autograd": 1.0,
@@ -180,7 +181,8 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     req = fig.requested
     what = "limit" if (ctx.limit or (report and (report.limit or report.emulated))) else "card"
     single = req is not None and req > fig.budget
-    if not single and fig.state <= fig.budget:
+    state_too_large = fig.state > fig.budget and not _halving_fits(ctx, fig)
+    if not single and not state_too_large:
         return None
     parts = []
     if single:
@@ -188,12 +190,49 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
             f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}: shrink what makes "
             "it (batch, sequence length) or compute it in chunks"
         )
-    if fig.state > fig.budget:
+    if state_too_large:
         each = ", ".join(_state_words(m) for m in ctx.models)
         parts.append(f"{each}: {fmt(fig.state)}, more than the {fmt(fig.budget)} {what}")
     evidence = "; ".join(parts) + ". No allocator setting or cache clear makes this fit."
     remedies = fix.smaller_model(ctx, fig, fig.state)
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
+
+
+# Weights are "the bulk of the budget" from this share on: halving them is then the fix that matters.
+WEIGHTS_SHARE = 0.5
+
+
+def _weights(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """float32 weights that are the bulk of the budget: loaded by the cell (the checkpoint's size on disk)
+    or held by a model in the namespace, when the run does not train."""
+    if fig.budget is None or fig.training or (fig.state > fig.budget and not _halving_fits(ctx, fig)):
+        return None  # training state, and weights beyond even halving, are the too-large finding's
+    bulk = WEIGHTS_SHARE * fig.budget
+    loads = [x for x in ctx.loading if x.bytes and x.bytes >= bulk and x.dtype in (None, "float32")]
+    models = [m for m in ctx.models if m.dtype in ("float32", "float") and m.param_bytes >= bulk]
+    if not (loads or models):
+        return None
+    what = "limit" if (ctx.limit or (report and (report.limit or report.emulated))) else "card"
+    parts = [
+        f"line {x.line} `{x.func}({x.what!r})` loads {fmt(x.bytes)} of {x.dtype or 'float32'} weights"
+        for x in loads
+    ]
+    parts += [f"{m.name} holds {fmt(m.param_bytes)} of {m.dtype} weights on the device" for m in models]
+    fp32 = max(sum(x.bytes for x in loads), sum(m.param_bytes for m in models))
+    evidence = (
+        "; ".join(parts) + f": {fp32 / fig.budget:.0%} of the {fmt(fig.budget)} {what}, leaving "
+        f"{fmt(max(fig.budget - fp32, 0))} for everything else. In bfloat16 they take {fmt(fp32 // 2)}."
+    )
+    hf = [m.name for m in models if m.is_hf and m.name.isidentifier()]
+    remedies = fix.weights_remedies(ctx, fig, fp32, bool(loads), hf)
+    return _finding("weights", "Weights take most of the budget", evidence, remedies, fig)
+
+
+def _halving_fits(ctx: DiagnosisContext, fig: Figures) -> bool:
+    """Whether the run does not train and its float32 weights, halved to bfloat16, fit the budget: then
+    the weights finding offers that, not the too-large one."""
+    fp32 = [m for m in ctx.models if m.dtype in ("float32", "float")]
+    return bool(fp32) and not fig.training and fig.budget is not None and fig.state // 2 < fig.budget
 
 
 def _state_words(m: ModelInfo) -> str:
@@ -610,6 +649,7 @@ def _limit(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Fin
 RULES: tuple[Rule, ...] = (
     _async_error,
     _too_large,
+    _weights,
     _fragmentation,
     _leftovers,
     _other_processes,
