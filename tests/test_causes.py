@@ -68,7 +68,7 @@ def net1(shell, run_cell):
         shell.user_ns.pop(name, None)
 
 
-def test_an_inference_loop_keeping_outputs_with_their_graphs_gets_keep_detached_copies(shell, run_cell, net1):
+def test_an_inference_loop_keeping_outputs_with_graphs_keeps_detached_copies(shell, run_cell, net1):
     run_cell(f"%%gpumem --limit {limit_above(48 * MiB)} --plan-budget 0 --quiet\n{KEEPS_OUTPUTS}")
     run = last_run()
     assert run.outcome == "oom" and len(run.timeline.steps) == 0
@@ -109,7 +109,10 @@ def test_a_training_loop_keeping_its_losses_keeps_numbers(shell, run_cell):
 
 
 def test_a_loop_that_keeps_nothing_gets_no_keep_finding(shell, run_cell, net1):
-    cell = "total = 0\nfor i in range(100):\n    total += net1(xs1[i % 4]).sum().item()\nbig = torch.empty(64 * 2**20)\n"
+    cell = (
+        "total = 0\nfor i in range(100):\n    total += net1(xs1[i % 4]).sum().item()\n"
+        "big = torch.empty(64 * 2**20)\n"
+    )
     run_cell(f"%%gpumem --limit {limit_above(48 * MiB)} --plan-budget 0 --quiet\n{cell}")
     assert last_run().outcome == "oom"
     assert "kept" not in {f.key for f in last_run().findings}

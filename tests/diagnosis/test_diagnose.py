@@ -201,18 +201,34 @@ def test_memory_held_by_nothing_in_the_namespace_is_said_plainly():
 # --- too large ------------------------------------------------------------------------------------------
 
 
-def test_a_7b_model_in_float32_is_too_large_for_24_gib():
-    model = ModelInfo("model", 28_000_000_000, "float32", is_hf=True)
+def test_a_14b_model_in_float32_is_too_large_for_24_gib():
+    model = ModelInfo("model", 56_000_000_000, "float32", is_hf=True)
     ctx = DiagnosisContext(capacity=CARD_24, models=(model,), generation=True)
     found = diagnose(plain_24(requested=GiB // 2), ctx)
     big = found[0]
-    assert big.key == "too_large"
-    assert "26.08 GiB of float32 weights" in big.evidence and "24.00 GiB card" in big.evidence
+    assert big.key == "too_large" and "weights" not in keys(found)
+    assert "52.15 GiB of float32 weights" in big.evidence and "24.00 GiB card" in big.evidence
     kinds = [r.kind for r in big.remedies]
     assert kinds.count("quantize") == 2 and "offload" in kinds
     bf16 = next(r for r in big.remedies if r.title == "bfloat16 weights")
-    assert bf16.saving == 14_000_000_000 and "torch_dtype=torch.bfloat16" in bf16.code
+    assert bf16.saving == 28_000_000_000 and "torch_dtype=torch.bfloat16" in bf16.code
     assert not any(r.automatic for r in big.remedies)
+
+
+def test_a_7b_model_in_float32_whose_bfloat16_weights_fit_gets_a_bfloat16_button():
+    model = ModelInfo("model", 28_000_000_000, "float32", is_hf=True)
+    ctx = DiagnosisContext(
+        capacity=CARD_24, models=(model,), generation=True, source="out = model.generate(ids)\n"
+    )
+    found = diagnose(plain_24(requested=GiB // 2), ctx)
+    assert "too_large" not in keys(found)
+    weights = finding(found, "weights")
+    assert "model holds 26.08 GiB of float32 weights on the device: 109% of the 24.00 GiB card" in (
+        weights.evidence
+    )
+    bf16 = next(r for r in weights.remedies if r.params.get("dtype") == "bfloat16")
+    assert bf16.automatic and bf16.saving == 14_000_000_000
+    assert bf16.new_source == "import torch\nmodel.to(torch.bfloat16)\nout = model.generate(ids)\n"
 
 
 def test_training_counts_gradients_and_adam_state():
