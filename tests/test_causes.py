@@ -352,3 +352,57 @@ def test_weights_quiet_when_they_are_a_small_share_of_the_budget():
     assert "m holds 200.00 MiB of float32 weights on the device: 78% of the 256.00 MiB limit" in (
         found["weights"].evidence
     )
+
+
+# --- 9. generation -------------------------------------------------------------------------------------
+
+
+def test_long_prompts_prefill_is_split_into_chunks_not_fewer_new_tokens(shell, run_cell, tiny_gpt2):
+    shell.user_ns["path9"] = tiny_gpt2
+    run_cell(
+        "%%gpumem --quiet\nfrom transformers import AutoModelForCausalLM\n"
+        "model9 = AutoModelForCausalLM.from_pretrained(path9)\nmodel9.generation_config.pad_token_id = 0\n"
+        "ids9 = torch.randint(0, 8192, (16, 128))\nmodel9(ids9[:1, :2]);"
+    )
+    cell = "out9 = model9.generate(ids9, max_new_tokens=16, do_sample=False)\n"
+    run_cell(f"%%gpumem --limit {limit_above(45 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom"
+    gen = finding(run, "generation")
+    assert "the prefill of all 16 prompts at once is the peak, so fewer new tokens cannot make it fit" in (
+        gen.evidence
+    )
+    assert "max_new_tokens" not in {r.kind for r in gen.remedies}
+    split = remedy(gen, "split_generate")
+    assert split.automatic and split.title == "Generate 8 prompts at a time (of 16)"
+    assert split.new_source.endswith(
+        "out9 = generate_in_chunks(model9.generate, 8, ids9, max_new_tokens=16, do_sample=False)\n"
+    )
+    retried(shell, run, split)
+    assert tuple(shell.user_ns["out9"].shape) == (16, 144)
+    for name in ("model9", "ids9", "out9", "path9", "generate_in_chunks"):
+        shell.user_ns.pop(name, None)
+
+
+def test_offloaded_kv_cache_is_a_rewrite_of_the_generate_call():
+    from oommagic.diagnosis.findings import DiagnosisContext
+    from oommagic.diagnosis.rules import diagnose
+    from oommagic.oom import OOMReport
+
+    ctx = DiagnosisContext(
+        source="out = model.generate(**enc, max_new_tokens=2048)\n",
+        generation=True,
+        device="cuda:0",
+        capacity=24 * 1024 * MiB,
+        transformers_version="4.57.1",
+        prompt_tokens=32,
+    )
+    report = OOMReport(text="CUDA out of memory.", requested=1024 * MiB, capacity=24 * 1024 * MiB, free=0)
+    gen = {f.key: f for f in diagnose(report, ctx)}["generation"]
+    offload = remedy(gen, "kv_cache")
+    assert offload.automatic
+    assert offload.new_source == (
+        "out = model.generate(**enc, max_new_tokens=2048, cache_implementation='offloaded')\n"
+    )
+    older = DiagnosisContext(**{**ctx.__dict__, "transformers_version": "4.40.0"})
+    assert "kv_cache" not in {r.kind for f in diagnose(report, older) for r in f.remedies}

@@ -56,6 +56,7 @@ class NamespaceScan:
     ints: tuple[tuple[str, int], ...] = ()
     generation: bool = False
     prompt_tokens: int | None = None
+    prompt_batch: int | None = None
     trains: bool = False
     helpers: tuple[tuple[str, str], ...] = ()
     frames: tuple[Frame, ...] = ()
@@ -95,6 +96,7 @@ def scan_namespace(
             ints=ints,
             generation=_generates(source, namespace),
             prompt_tokens=prompt_tokens(source, namespace),
+            prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
             helpers=training_helpers(source, namespace),
             frames=frames,
@@ -278,6 +280,7 @@ def make_context(
         max_new_tokens=cell.keyword_value(source, "max_new_tokens", ints),
         num_beams=cell.keyword_value(source, "num_beams", ints),
         prompt_tokens=scan.prompt_tokens,
+        prompt_batch=scan.prompt_batch,
         has_truncation=cell.passes_true(source, "truncation"),
         autocast_on="autocast" in applied or cell.autocasts(source),
         bf16_supported=_bf16_supported(recording.device),
@@ -624,6 +627,12 @@ def _generates(source: str, namespace: Mapping) -> bool:
 def prompt_tokens(source: str, namespace: Mapping) -> int | None:
     """The length of the inputs of the cell's first ``.generate(...)``, where they name a tensor (or a
     mapping with ``input_ids``) in the namespace. None where the cell builds them itself."""
+    return prompt_shape(source, namespace)[1]
+
+
+def prompt_shape(source: str, namespace: Mapping) -> tuple[int | None, int | None]:
+    """(prompts, tokens per prompt) of the inputs of the cell's first ``.generate(...)``, read like
+    ``prompt_tokens``; (None, None) where not readable."""
     import torch
 
     for name, key in cell.generate_inputs(source):
@@ -632,8 +641,9 @@ def prompt_tokens(source: str, namespace: Mapping) -> int | None:
             if key is not None:
                 value = dict.get(value, key) if isinstance(value, dict) else value.data[key]
             if issubclass(type(value), torch.Tensor) and value.dim() >= 1:
-                return int(value.shape[-1])
-    return None
+                batch = int(value.shape[0]) if value.dim() >= 2 else 1
+                return batch, int(value.shape[-1])
+    return None, None
 
 
 # --- the machine --------------------------------------------------------------------------------------

@@ -216,6 +216,7 @@ class DiagnosisContext:
     max_new_tokens: int | None = None
     num_beams: int | None = None
     prompt_tokens: int | None = None  # the length of the inputs handed to generate(), where readable
+    prompt_batch: int | None = None  # how many prompts generate() got at once, where readable
     has_truncation: bool = False
     autocast_on: bool = False
     bf16_supported: bool = True

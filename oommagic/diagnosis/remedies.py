@@ -22,6 +22,7 @@ from .rewrite import (
     rewrite_batch,
     set_call_keyword,
     set_literal,
+    split_generate_source,
 )
 from .source import (
     BatchGuess,
@@ -377,6 +378,10 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     if remedy.kind == "offload":
         mem = f'{{0: "{p["max_memory_gib"]}GiB", "cpu": "64GiB"}}'
         return load_source(source, {"device_map": '"auto"', "max_memory": mem}) or source
+    if remedy.kind == "split_generate":
+        return split_generate_source(source, p["chunk"]) or source
+    if remedy.kind == "kv_cache":
+        return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
     if remedy.kind == "eval_batch":
         node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
         return (set_literal(source, node, p["new"]) if node is not None else None) or source
@@ -722,6 +727,44 @@ def generate_keyword(
         code=changed_lines(ctx.source, new_source) if new_source else f"model.generate(..., {keyword}={new})",
         automatic=new_source is not None,
         params={"keyword": keyword, "old": old, "new": new},
+        new_source=new_source,
+    )
+
+
+def split_generate(ctx: DiagnosisContext, fig: Figures, batch: int, chunk: int, saving: int | None) -> Remedy:
+    """The cell's ``generate`` calls run over ``chunk`` prompts at a time, one chunk after another."""
+    new_source = split_generate_source(ctx.source, chunk)
+    return _made(
+        fig,
+        "split_generate",
+        f"Generate {chunk} prompts at a time (of {batch})",
+        "The KV cache and the prefill's activations grow with the number of prompts generated together; "
+        f"running them {chunk} at a time holds one chunk's worth, and the outputs are joined (right-padded "
+        "to one length). Same results, a little slower.",
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else "",
+        automatic=new_source is not None,
+        params={"chunk": chunk, "batch": batch},
+        new_source=new_source,
+    )
+
+
+def kv_cache_offload(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
+    """transformers' offloaded KV cache: each layer's cache in host memory until that layer runs."""
+    new_source = set_call_keyword(ctx.source, "generate", "cache_implementation", "offloaded")
+    new_source = new_source if new_source != ctx.source else None
+    return _made(
+        fig,
+        "kv_cache",
+        'Offloaded KV cache (cache_implementation="offloaded")',
+        "transformers keeps the KV cache of every layer but the running one in CPU memory and prefetches "
+        "the next: the cache stops growing on the GPU, generation runs slower.",
+        saving,
+        code=changed_lines(ctx.source, new_source)
+        if new_source
+        else 'model.generate(..., cache_implementation="offloaded")',
+        automatic=new_source is not None,
+        params={"cache_implementation": "offloaded"},
         new_source=new_source,
     )
 

@@ -436,7 +436,19 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     # known, halving max_new_tokens saves that share of it; where not, as if the generated were all.
     prompt = ctx.prompt_tokens or 0
     remedies = []
-    if ctx.max_new_tokens and ctx.max_new_tokens >= 2:
+    # The prompts outweigh what is generated: their prefill (every prompt at once) is the peak, and fewer
+    # new tokens shorten only the smaller part of the cache.
+    prefill = bool(ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens)
+    if ctx.prompt_batch and ctx.prompt_batch >= 2:
+        chunk = ctx.prompt_batch // 2
+        saving = act * (ctx.prompt_batch - chunk) // ctx.prompt_batch if act else None
+        remedies.append(fix.split_generate(ctx, fig, ctx.prompt_batch, chunk, saving))
+    if ctx.device.startswith("cuda") and _version_at_least(ctx.transformers_version, (4, 45)):
+        cache = (
+            act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
+        )
+        remedies.append(fix.kv_cache_offload(ctx, fig, cache))
+    if ctx.max_new_tokens and ctx.max_new_tokens >= 2 and not prefill:
         old, new = ctx.max_new_tokens, ctx.max_new_tokens // 2
         saving = act * (old - new) // (prompt + old) if act else None
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
@@ -447,6 +459,8 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, 1, saving))
     batch, note = _batch_remedy(ctx, fig, training=False)
     remedies.append(batch)
+    if batch is None and ctx.prompt_batch:
+        note = ""  # the split above is the batch's knob here
     short = ctx.prompt_tokens is not None and ctx.prompt_tokens <= TRUNCATE_TO
     if ctx.prompt_tokens is not None:
         why = f": truncating them to {TRUNCATE_TO} would change nothing" if short else ""
@@ -455,6 +469,12 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         cut = prompt - TRUNCATE_TO  # unknown prompts (0): no saving to promise
         saving = act * cut // (prompt + (ctx.max_new_tokens or 0)) if act and cut > 0 else None
         remedies.append(fix.truncate(ctx, fig, saving, TRUNCATE_TO))
+    if prefill:
+        note += (
+            f" The {ctx.prompt_tokens}-token prompts are longer than the {ctx.max_new_tokens} new tokens: "
+            f"the prefill of all {ctx.prompt_batch or 'the'} prompts at once is the peak, so fewer new "
+            "tokens cannot make it fit; generating fewer prompts at a time does."
+        )
     evidence = (
         _split_evidence(ctx, fig)
         + " In generation that is mostly the KV cache and logits, which grow with batch × beams × tokens"
@@ -463,6 +483,13 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         + note
     )
     return _finding("generation", "Generation memory", evidence, remedies, fig)
+
+
+def _version_at_least(version: str | None, least: tuple[int, int]) -> bool:
+    try:
+        return tuple(int(x) for x in (version or "").split(".")[:2]) >= least
+    except ValueError:
+        return False
 
 
 def _growth(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
