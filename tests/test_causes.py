@@ -406,3 +406,60 @@ def test_offloaded_kv_cache_is_a_rewrite_of_the_generate_call():
     )
     older = DiagnosisContext(**{**ctx.__dict__, "transformers_version": "4.40.0"})
     assert "kv_cache" not in {r.kind for f in diagnose(report, older) for r in f.remedies}
+
+
+# --- 7. long samples -----------------------------------------------------------------------------------
+
+LONG_BATCH = """\
+for texts in batches7:
+    ids = tokenizer(texts)
+    loss = lin7(emb7(ids)).pow(2).mean()
+    loss.backward()
+    opt7.step()
+    opt7.zero_grad()
+"""
+
+
+def test_one_batch_of_long_samples_is_truncated_first(shell, run_cell):
+    run_cell(
+        "%%gpumem --quiet\n"
+        "def tokenizer(texts, truncation=False, max_length=None):\n"
+        "    n = max(len(t) for t in texts)\n"
+        "    if truncation and max_length:\n"
+        "        n = min(n, max_length)\n"
+        "    return torch.ones(len(texts), n, dtype=torch.long)\n"
+        "emb7 = torch.nn.Embedding(16, 256)\nlin7 = torch.nn.Linear(256, 256)\n"
+        "opt7 = torch.optim.SGD([*emb7.parameters(), *lin7.parameters()], lr=0.01)\n"
+        'batches7 = [["a" * 64] * 8] * 6 + [["a" * 2048] * 8]\n'
+        "lin7(emb7(torch.ones(1, 1, dtype=torch.long))).sum().backward()\nopt7.zero_grad()\n"
+    )
+    run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 60 --quiet\n{LONG_BATCH}")
+    run = last_run()
+    assert run.outcome == "oom" and len(run.timeline.steps) == 6
+    assert run.findings[0].key == "long_samples"
+    long = run.findings[0]
+    assert "of the 5 completed steps" in long.evidence and "plot_lengths" in long.evidence
+    cut = remedy(long, "truncate")
+    assert cut.new_source == LONG_BATCH.replace(
+        "tokenizer(texts)", "tokenizer(texts, truncation=True, max_length=512)"
+    )
+    first = run.plan.entries[0]
+    assert first.kind == "truncate" and first.verdict == "fits", [e.line() for e in run.plan.entries]
+    retried(shell, run, cut)
+    for name in ("tokenizer", "emb7", "lin7", "opt7", "batches7", "texts", "ids", "loss"):
+        shell.user_ns.pop(name, None)
+
+
+def test_long_samples_quiet_when_the_steps_are_even(shell, run_cell):
+    from oommagic.diagnosis.findings import DiagnosisContext
+    from oommagic.diagnosis.rules import diagnose
+    from oommagic.timeline import Timeline
+
+    even = Timeline(
+        t=tuple(range(12)),
+        allocated=tuple([MiB, 10 * MiB] * 6),
+        reserved=tuple([MiB, 10 * MiB] * 6),
+        steps=(1.5, 3.5, 5.5, 7.5, 9.5),
+    )
+    ctx = DiagnosisContext(source=LONG_BATCH, timeline=even, limit=12 * MiB, trains=True)
+    assert "long_samples" not in {f.key for f in diagnose(None, ctx)}

@@ -769,7 +769,9 @@ def kv_cache_offload(ctx: DiagnosisContext, fig: Figures, saving: int | None) ->
     )
 
 
-def truncate(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512) -> Remedy:
+def truncate(
+    ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512, outlier: bool = False
+) -> Remedy:
     """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays)."""
     source = ctx.source
     for func in tokenizer_calls(ctx.source):
@@ -786,6 +788,6 @@ def truncate(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length
         if new_source
         else f"tokenizer(texts, truncation=True, max_length={max_length})",
         automatic=new_source is not None,
-        params={"max_length": max_length},
+        params={"max_length": max_length, "outlier": outlier},
         new_source=new_source,
     )

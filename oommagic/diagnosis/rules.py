@@ -65,7 +65,8 @@ WEIGHT = {
     "other_processes": 0.9,
     "activations": 0.9,
     "generation": 0.9,
-    "long_samples": 0.6,
+    # Only fires on an outlier step, and the fix cuts only the outliers: put it before the batch.
+    "long_samples": 1.2,
     "reserved_churn": 0.3,
     "limit": 0.1,  # context, not a fix: the limit was chosen on purpose
 }
@@ -624,9 +625,11 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
         return None
     evidence = (
         f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
-        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples."
+        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples. "
+        "`oommagic.lengths.plot_lengths(texts_or_token_ids)` draws the lengths with the cut-off and the "
+        "outliers marked; `summarize_lengths` says what truncating there saves."
     )
-    remedy = fix.truncate(ctx, fig, fig.demand - median)
+    remedy = fix.truncate(ctx, fig, fig.demand - median, outlier=True)
     return _finding("long_samples", "An unusually long batch", evidence, [remedy], fig)
 
 
