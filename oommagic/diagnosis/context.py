@@ -276,6 +276,7 @@ def make_context(
         models=scan.models,
         other_gpus=other_gpus,
         processes=processes,
+        owners=tuple((pid, *process_owner(pid)) for pid, _, _ in processes),
         generation=scan.generation,
         max_new_tokens=cell.keyword_value(source, "max_new_tokens", ints),
         num_beams=cell.keyword_value(source, "num_beams", ints),
@@ -720,6 +721,22 @@ def read_machine(
                 if i != index:
                     other_gpus.append((i, torch.cuda.mem_get_info(i)[0]))
     return tuple(other_gpus), _without_self(processes, report)
+
+
+def process_owner(pid: int) -> tuple[str | None, str | None]:
+    """(user, command line) of ``pid`` from ``/proc`` (Linux); None where it cannot be read, as for a host
+    PID seen from inside a container."""
+    import pwd
+
+    user = command = None
+    with contextlib.suppress(Exception):
+        with open(f"/proc/{pid}/status") as f:
+            uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        user = pwd.getpwuid(uid).pw_name
+    with contextlib.suppress(Exception):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or None
+    return user, command
 
 
 def _without_self(processes: list[tuple[int, str, int]], report: OOMReport | None) -> tuple:

@@ -212,6 +212,7 @@ class DiagnosisContext:
     models: tuple[ModelInfo, ...] = ()
     other_gpus: tuple[tuple[int, int], ...] = ()  # (cuda index, free bytes)
     processes: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes) of other processes, from NVML
+    owners: tuple[tuple[int, str | None, str | None], ...] = ()  # (pid, user, command line), from /proc
     generation: bool = False
     max_new_tokens: int | None = None
     num_beams: int | None = None

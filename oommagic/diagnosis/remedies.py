@@ -156,6 +156,25 @@ def other_gpu(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
     )
 
 
+def stop_process(fig: Figures, pid: int, held: int, user: str | None, command: str | None) -> Remedy:
+    """Stopping another process that holds memory on the card. Not run by the kernel: the sidebar calls
+    the server's ``oommagic/kernels/shutdown`` route with ``pid`` after the person confirms, and that
+    route stops only kernels of its own server."""
+    who = command or f"PID {pid}"
+    return _made(
+        fig,
+        "shutdown_kernel",
+        f"Shut down PID {pid} ({fmt(held)})",
+        f"PID {pid} ({who}{', user ' + user if user else ''}) holds {fmt(held)} of this card. If it is a "
+        "kernel of this Jupyter server the sidebar shuts it down after asking, naming its notebook; "
+        "otherwise its owner can stop it.",
+        held,
+        code=f"# a kernel of this server: the sidebar's 'Shut down the kernel of …' (asks first)\n"
+        f"# any other process, by its owner:\nkill {pid}",
+        params={"pid": pid, "bytes": held, "user": user, "command": command},
+    )
+
+
 # --- the model -----------------------------------------------------------------------------------------
 
 _LOAD_4BIT = """import torch

@@ -132,10 +132,18 @@ def _other_processes(report: OOMReport | None, ctx: DiagnosisContext, fig: Figur
     if total < NOTICEABLE:
         return None
     ranked = sorted(held.items(), key=lambda p: -p[1][1])
-    who = "; ".join(f"PID {pid} ({name}) holds {fmt(b)}" for pid, (name, b) in ranked)
+    owners = {pid: (user, command) for pid, user, command in ctx.owners}
+
+    def who_is(pid: int, name: str) -> str:
+        user, command = owners.get(pid, (None, None))
+        parts = [f"user {user}" if user else "", f"`{command}`" if command else name]
+        return ", ".join(p for p in parts if p)
+
+    who = "; ".join(f"PID {pid} ({who_is(pid, name)}) holds {fmt(b)}" for pid, (name, b) in ranked)
     evidence = (
-        f"Other processes hold {fmt(total)} of this card: {who}. Stopping them (shut down their kernels, "
-        "or `kill PID`) gives it back."
+        f"Other processes hold {fmt(total)} of this card: {who}. Stopping them gives it back: a kernel of "
+        "this Jupyter server from the sidebar (it names the notebook and asks first), any other with "
+        "`kill PID` by its owner."
     )
     gpu = fix.other_gpu(ctx, fig)
     if gpu is None and ctx.other_gpus and fig.demand is not None:
@@ -143,7 +151,10 @@ def _other_processes(report: OOMReport | None, ctx: DiagnosisContext, fig: Figur
         evidence += (
             f" No other GPU has room for the {fmt(fig.demand)} this cell needs (GPU {idx}: {fmt(free)} free)."
         )
-    return _finding("other_processes", "Other processes share the card", evidence, [gpu], fig, saving=total)
+    stops = [fix.stop_process(fig, pid, b, *owners.get(pid, (None, None))) for pid, (_, b) in ranked[:4]]
+    return _finding(
+        "other_processes", "Other processes share the card", evidence, [gpu, *stops], fig, saving=total
+    )
 
 
 def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:

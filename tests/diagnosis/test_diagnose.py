@@ -145,8 +145,38 @@ def test_other_processes_say_when_no_other_gpu_has_room():
         capacity=CARD_24, processes=((777, "jupyter-kernel", 12 * GiB),), other_gpus=((1, 8 * GiB),)
     )
     other = finding(diagnose(report, ctx), "other_processes")
-    assert other.remedies == ()
+    assert [r.kind for r in other.remedies] == ["shutdown_kernel"]
     assert "No other GPU has room for the 14.00 GiB" in other.evidence and "8.00 GiB free" in other.evidence
+
+
+def test_other_processes_are_named_with_user_and_command_and_offered_to_stop_after_asking():
+    report = _report(requested=4 * GiB, capacity=CARD_24, free=0, allocated=10 * GiB, reserved=10 * GiB)
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        processes=((777, "python", 12 * GiB), (778, "python", GiB)),
+        owners=((777, "ada", "python -m ipykernel_launcher -f kernel-1.json"), (778, None, None)),
+    )
+    other = finding(diagnose(report, ctx), "other_processes")
+    assert (
+        "PID 777 (user ada, `python -m ipykernel_launcher -f kernel-1.json`) holds 12.00 GiB"
+        in other.evidence
+    )
+    assert "PID 778 (python) holds 1.00 GiB" in other.evidence
+    stop = remedy(other, "shutdown_kernel")
+    assert stop.params["pid"] == 777 and stop.title == "Shut down PID 777 (12.00 GiB)"
+    # Never stopped from the kernel: the sidebar asks and calls the server's route.
+    assert not any(r.automatic for r in other.remedies if r.kind == "shutdown_kernel")
+
+
+def test_the_owner_of_this_process_is_read_from_proc():
+    import getpass
+    import os
+
+    from oommagic.diagnosis.context import process_owner
+
+    user, command = process_owner(os.getpid())
+    assert user == getpass.getuser() and "python" in command
+    assert process_owner(2**22 + 12345) == (None, None)
 
 
 def test_other_processes_quiet_when_the_card_is_ours():
