@@ -11,6 +11,7 @@ cannot read: it leaves that figure out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import types
@@ -43,6 +44,7 @@ SKIPPED_TYPES = (
 # Optimizer state per trainable parameter byte, by class name; an optimizer not listed counts as Adam.
 _MOMENTS = {"SGD": None, "Adagrad": 1.0, "RMSprop": 1.0, "Adadelta": 2.0, "Adafactor": 0.1, "Lion": 1.0}
 
+_SKIPPED = frozenset(SKIPPED_TYPES) | {bool, type(None)}  # exact types: a set lookup before isinstance
 Storages = dict[int, int]  # storage data_ptr -> bytes: views of one storage count once
 _MODE_LAYERS: tuple[type, ...] = ()  # dropout and batch norm, set on first use (torch imported lazily)
 
@@ -172,8 +174,10 @@ def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept
     return tuple(found)
 
 
-def installed(names: Iterable[str]) -> tuple[str, ...]:
-    """Which of ``names`` can be imported in this kernel (found, not imported)."""
+@functools.lru_cache(maxsize=8)
+def installed(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of ``names`` can be imported in this kernel (found, not imported). Cached: a package installed
+    later needs a kernel restart to be used anyway."""
     import importlib.util
 
     out = []
@@ -184,6 +188,7 @@ def installed(names: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=8)
 def _version(dist: str) -> str | None:
     module = __import__("sys").modules.get(dist)
     version = getattr(module, "__version__", None) if module is not None else None
@@ -344,12 +349,14 @@ def _holdings(
     modules: list[tuple[str, Any]] = []
     optimizers: list[Any] = []
     for name, value in list(namespace.items()):
-        if IPYTHON_NAME.fullmatch(name) or isinstance(value, SKIPPED_TYPES):
+        if type(value) in _SKIPPED or isinstance(value, SKIPPED_TYPES) or IPYTHON_NAME.fullmatch(name):
             continue
-        with contextlib.suppress(Exception):  # an exotic object must not stop the diagnosis
+        try:
             kind, storages = held_by(name, value, device, modules, optimizers)
-            if storages:
-                held[name] = (kind, storages)
+        except Exception:  # an exotic object must not stop the diagnosis
+            continue
+        if storages:
+            held[name] = (kind, storages)
     claimed: set[int] = set()
     leftovers = []
     in_use = _used_by_calls(source, namespace)
@@ -445,17 +452,27 @@ def held_by(
         optimizers.append(value)
         return "optimizer", optimizer_storages(value, device)
     if issubclass(kind, dict):
-        items = [(f"{name}[{k!r}]", v) for k, v in _first(dict.items(value))]
+        pairs = _first(dict.items(value))
+        label = "{}[{!r}]"
     elif issubclass(kind, (list, tuple, set, frozenset)):
-        items = [(f"{name}[{i}]", v) for i, v in enumerate(_first(value))]
+        pairs = enumerate(_first(value))
+        label = "{}[{}]"
     else:
         # A Trainer or a pipeline holds its model and optimizer as attributes.
-        attrs = instance_dict(value)
-        items = [(f"{name}.{k}", v) for k, v in _first(attrs.items()) if isinstance(k, str)]
+        pairs = _first(instance_dict(value).items())
+        label = "{}.{}"
     storages: Storages = {}
-    for inner_name, inner in items:
-        if issubclass(type(inner), (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
-            storages.update(held_by(inner_name, inner, device, modules, optimizers)[1])
+    tensor = torch.Tensor
+    for key, inner in pairs:
+        inner_kind = type(inner)
+        if inner_kind in _SKIPPED:
+            continue
+        # Names are only built for what is listed by name (models, optimizers): a list of ten thousand
+        # tensors costs a storage lookup each (benchmarks/scan_cost.py).
+        if issubclass(inner_kind, tensor):
+            tensor_storages(inner, device, storages)
+        elif issubclass(inner_kind, (torch.nn.Module, torch.optim.Optimizer)):
+            storages.update(held_by(label.format(name, key), inner, device, modules, optimizers)[1])
     return "container", storages
 
 
@@ -480,8 +497,8 @@ def tensor_storages(t: Any, device: Any = None, into: Storages | None = None) ->
     into = {} if into is None else into
     # `.grad` of a non-leaf tensor warns and is always None.
     grad = t.grad if t.is_leaf else None
-    for tensor in (t, grad):
-        if tensor is None or (device is not None and not _on(tensor, device)):
+    for tensor in (t, grad) if grad is not None else (t,):
+        if device is not None and not _on(tensor, device):
             continue
         try:
             storage = tensor.untyped_storage()
@@ -494,6 +511,12 @@ def tensor_storages(t: Any, device: Any = None, into: Storages | None = None) ->
 
 
 def _on(t: Any, device: Any) -> bool:
+    # `t.device` builds a device object (~1.6 us); these flags cost a tenth of that, and a scan of a big
+    # namespace asks for every tensor (benchmarks/scan_cost.py).
+    if device.type == "cpu":
+        return t.is_cpu
+    if device.type == "cuda":
+        return t.is_cuda and (device.index is None or t.get_device() == device.index)
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
