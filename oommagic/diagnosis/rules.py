@@ -199,14 +199,18 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     parts = []
     if single:
         parts.append(
-            f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}: shrink what makes "
-            "it (batch, sequence length) or compute it in chunks"
+            f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}{_where(ctx)}: "
+            + _request_knob(ctx)
         )
     if state_too_large:
         each = ", ".join(_state_words(m) for m in ctx.models)
         parts.append(f"{each}: {fmt(fig.state)}, more than the {fmt(fig.budget)} {what}")
     evidence = "; ".join(parts) + ". No allocator setting or cache clear makes this fit."
-    remedies = fix.smaller_model(ctx, fig, fig.state)
+    remedies = fix.smaller_model(ctx, fig, fig.state) if state_too_large else []
+    if single:
+        # The one request scales with the batch that made it: the evaluation's where it failed there.
+        shrink, _ = _eval_batch_remedy(ctx, fig) if ctx.evaluating else _batch_remedy(ctx, fig, fig.training)
+        remedies.append(shrink)
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
 
 
@@ -245,6 +249,24 @@ def _halving_fits(ctx: DiagnosisContext, fig: Figures) -> bool:
     the weights finding offers that, not the too-large one."""
     fp32 = [m for m in ctx.models if m.dtype in ("float32", "float")]
     return bool(fp32) and not fig.training and fig.budget is not None and fig.state // 2 < fig.budget
+
+
+_LOGITS_WORDS = ("logits", "lm_head", "cross_entropy", "log_softmax", "softmax")
+
+
+def _request_knob(ctx: DiagnosisContext) -> str:
+    """What makes a single request smaller, read from the failing line and frames: the logits (batch ×
+    sequence × vocabulary) of a language model, else the batch and the sequence length."""
+    line = ctx.failing_line
+    text = ctx.source.split("\n")[line - 1].strip() if line and line <= len(ctx.source.split("\n")) else ""
+    frames = " ".join(f.function for f in ctx.frames)
+    if any(w in text or w in frames for w in _LOGITS_WORDS):
+        return (
+            "it looks like the logits, batch × sequence × vocabulary values at once. Fewer samples at a time "
+            "(the evaluation batch when evaluating), `logits_to_keep=1` where only the last position is "
+            "needed (generation, scoring), shorter sequences, or a chunked loss make it smaller"
+        )
+    return "shrink what makes it (batch, sequence length) or compute it in chunks"
 
 
 def _state_words(m: ModelInfo) -> str:

@@ -750,3 +750,93 @@ def test_findings_round_trip_through_json():
     for f in found:
         data = json.loads(json.dumps(f.to_json()))
         assert Finding.from_json(data) == f
+
+
+# --- one request larger than the budget ------------------------------------------------------------------
+
+EVAL_LOGITS = """\
+loader = DataLoader(ds, batch_size=64)
+with torch.no_grad():
+    for batch in loader:
+        logits = model(**batch).logits
+"""
+
+
+def test_one_request_names_its_line_the_logits_and_shrinks_the_evaluation_batch():
+    from oommagic.diagnosis.findings import Frame
+    from oommagic.diagnosis.source import EvalBatch
+
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        source=EVAL_LOGITS,
+        evaluating=True,
+        eval_batch=EvalBatch("batch_size", 64, "loader"),
+        batch=BatchGuess("batch_size", 8),
+        frames=(
+            Frame("<module>", 4, True),
+            Frame("_wrapped_call_impl", 1, False),
+            Frame("forward", 9, False),
+        ),
+    )
+    big = finding(diagnose(plain_24(requested=30 * GiB, allocated=GiB), ctx), "too_large")
+    assert (
+        "One request of 30.00 GiB is larger than the whole 24.00 GiB card (line 4 of the cell, in forward())"
+        in (big.evidence)
+    )
+    assert "batch × sequence × vocabulary" in big.evidence and "logits_to_keep=1" in big.evidence
+    shrink = remedy(big, "eval_batch")
+    assert shrink.new_source == EVAL_LOGITS.replace("batch_size=64", "batch_size=32")
+    assert "batch" not in [r.kind for r in big.remedies]
+
+
+def test_one_request_in_training_without_logits_offers_the_training_batch():
+    ctx = DiagnosisContext(capacity=CARD_24, source=LOOP, trains=True, batch=BatchGuess("batch_size", 64))
+    big = finding(diagnose(plain_24(requested=30 * GiB, allocated=GiB), ctx), "too_large")
+    assert "shrink what makes it (batch, sequence length)" in big.evidence
+    assert remedy(big, "batch").params["new"] < 64
+
+
+def test_evaluation_by_hf_trainer_changes_per_device_eval_batch_size():
+    from oommagic.diagnosis.findings import Frame
+    from oommagic.diagnosis.source import eval_batch
+
+    cell = (
+        "args = TrainingArguments('out', per_device_train_batch_size=16, per_device_eval_batch_size=64)\n"
+        "trainer = Trainer(model=model, args=args, eval_dataset=ds)\n"
+        "trainer.evaluate()\n"
+    )
+    found = eval_batch(cell)
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        source=cell,
+        trains=True,
+        evaluating=True,
+        eval_batch=found,
+        batch=BatchGuess("per_device_train_batch_size", 16),
+        frames=(Frame("<module>", 3, True), Frame("evaluate", 1), Frame("evaluation_loop", 2)),
+        timeline=Timeline(t=(0.0, 1.0), allocated=(GiB, 20 * GiB), reserved=(GiB, 21 * GiB)),
+    )
+    act = finding(diagnose(plain_24(), ctx), "activations")
+    kinds = [r.kind for r in act.remedies]
+    assert "batch" not in kinds
+    fix = remedy(act, "eval_batch")
+    assert fix.new_source == cell.replace("per_device_eval_batch_size=64", "per_device_eval_batch_size=32")
+    assert "eval_accumulation_steps" in fix.explanation
+
+
+def test_pinned_memory_is_a_finding_only_when_it_matters():
+    from oommagic.diagnosis.findings import Pin
+
+    held = (
+        Pin(
+            "sys.last_value", "sys.last_value (OutOfMemoryError) → traceback → train() → local 'x'", 20 * GiB
+        ),
+    )
+    found = finding(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, pins=held)), "pinned")
+    assert (
+        "20.00 GiB by sys.last_value (OutOfMemoryError) → traceback → train() → local 'x'" in found.evidence
+    )
+    assert "before `%%gpumem` was in use" in found.evidence
+    assert remedy(found, "free_pinned").automatic
+    small = (Pin("_", "_ (IPython's last outputs)", MiB),)
+    assert "pinned" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, pins=small)))
