@@ -95,7 +95,8 @@ def test_a_training_loop_keeping_its_losses_keeps_numbers(shell, run_cell):
         "    losses.append(loss)\n"
     )
     run_cell(
-        "%%gpumem --quiet\nlin2 = torch.nn.Linear(256, 256)\nxs2 = [torch.randn(256, 256) for _ in range(4)]\n"
+        "%%gpumem --quiet\nlin2 = torch.nn.Linear(256, 256)\n"
+        "xs2 = [torch.randn(256, 256) for _ in range(4)]\n"
         "lin2(xs2[0]).sum();"
     )
     run_cell(f"%%gpumem --limit {limit_above(16 * MiB)} --plan-budget 0 --quiet\n{cell}")
@@ -146,9 +147,10 @@ def test_inference_with_autograd_on_runs_under_inference_mode_in_eval_mode(shell
     assert "deep2 has 1.00 MiB of parameters that require grad" in found.evidence
     fix = remedy(found, "no_grad")
     assert fix.automatic and fix.title == "Run under torch.inference_mode() with deep2.eval()"
-    # The statements that call the model go under inference_mode; the cell does not name torch: imported.
+    # The statements that call the model go under inference_mode; torch is imported (the cell names none).
     assert fix.new_source == (
-        "import torch\ndeep2.eval()\nwith torch.inference_mode():\n    out = deep2(x2)\npred = out.argmax(-1)\n"
+        "import torch\ndeep2.eval()\nwith torch.inference_mode():\n"
+        "    out = deep2(x2)\npred = out.argmax(-1)\n"
     )
     retried(shell, run, fix)
     assert shell.user_ns["deep2"].training is False
@@ -197,7 +199,8 @@ with torch.no_grad():
 def test_an_evaluation_failure_halves_the_evaluation_batch_not_the_training_one(shell, run_cell):
     run_cell(
         "%%gpumem --quiet\nfrom torch.utils.data import DataLoader, TensorDataset\ntorch.manual_seed(0)\n"
-        "mlp3 = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024))\n"
+        "mlp3 = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024)\n)\n"
         "opt3 = torch.optim.SGD(mlp3.parameters(), lr=0.01)\nds3 = TensorDataset(torch.randn(2048, 1024))\n"
         "ds3[0]\nmlp3(torch.zeros(1, 1024));"
     )

@@ -756,9 +756,8 @@ def process_owner(pid: int) -> tuple[str | None, str | None]:
         with open(f"/proc/{pid}/status") as f:
             uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
         user = pwd.getpwuid(uid).pw_name
-    with contextlib.suppress(Exception):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or None
+    with contextlib.suppress(Exception), open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or None
     return user, command
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -59,7 +60,7 @@ async def test_shutdown_of_one_of_its_kernels_with_confirmation(jp_fetch):
     assert json.loads(response.body) == {"shut_down": notebook_kernel, "pid": pid, "notebook": "other.ipynb"}
     assert notebook_kernel not in {k["kernel_id"] for k in await kernels(jp_fetch)}
     for _ in range(50):
-        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+        if not os.path.exists(f"/proc/{pid}") or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
             break
         await asyncio.sleep(0.1)
     else:
