@@ -20,6 +20,19 @@ from oommagic.run.session import session_for
 MiB = 1024**2
 
 
+@pytest.fixture(scope="module", autouse=True)
+def leave_the_shell_as_found(shell):
+    """The shell is shared by the whole session: drop what these tests bound and give back what their
+    outputs and errors pin, so later tests start from the memory they expect."""
+    before = set(shell.user_ns)
+    yield
+    for name in set(shell.user_ns) - before:
+        shell.user_ns.pop(name, None)
+    from oommagic.run.release import free_pinned
+
+    free_pinned(shell, "cpu")
+
+
 def last_run():
     return oommagic.history()[-1]
 
@@ -466,3 +479,10 @@ def test_long_samples_quiet_when_the_steps_are_even(shell, run_cell):
     )
     ctx = DiagnosisContext(source=LONG_BATCH, timeline=even, limit=12 * MiB, trains=True)
     assert "long_samples" not in {f.key for f in diagnose(None, ctx)}
+
+
+def test_autograd_quiet_for_a_cell_that_runs_no_model(shell, run_cell, deep2):
+    run_cell(f"%%gpumem --limit {limit_above(MiB)} --plan-budget 0 --quiet\nz8 = torch.zeros(2 * 2**20)")
+    run = last_run()
+    assert run.outcome == "oom" and any(m.name == "deep2" for m in run.context.models)
+    assert "autograd" not in {f.key for f in run.findings}

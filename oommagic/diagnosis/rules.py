@@ -576,6 +576,11 @@ def _kept(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Find
     return _finding("kept", "Tensors kept across iterations", evidence, remedies, fig)
 
 
+def _top(name: str) -> str:
+    """``model`` of ``model``, ``trainer.model`` and ``models[0]``."""
+    return name.split(".", 1)[0].split("[", 1)[0]
+
+
 def _matters(nbytes: int, fig: Figures) -> bool:
     """Large enough to be a cause: above the noise, or a quarter of the budget on a small (emulated) one."""
     return nbytes >= NOTICEABLE or bool(fig.budget and nbytes >= FRAGMENTED_SHARE * fig.budget)
@@ -593,7 +598,9 @@ def _autograd(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> 
     """Inference or evaluation with autograd on: graphs recorded that no backward pass will use."""
     if not _autograd_wasted(ctx):
         return None
-    grad_models = [m for m in ctx.models if m.trainable_bytes]
+    # Only the models the cell runs: itself, or through a notebook function it calls.
+    used = names_read(ctx.source) | {lo.name for lo in ctx.leftovers if lo.in_use}
+    grad_models = [m for m in ctx.models if m.trainable_bytes and _top(m.name) in used]
     graphs = sum(k.graphs for k in ctx.kept)
     if not grad_models and not graphs:
         return None
