@@ -568,11 +568,13 @@ def _models(
                 moments[p.untyped_storage().data_ptr()] = factor
     listed: list[ModelInfo] = []
     covered: set[int] = set()
-    ranked = sorted(seen.items(), key=lambda s: -sum(_params(by_id[s[0]], None).values()))
+    # One pass over each model's parameters: a namespace may hold hundreds of models.
+    every = {key: _params(by_id[key], None) for key in seen}
+    ranked = sorted(seen.items(), key=lambda s: -sum(every[s[0]].values()))
     for key, name in ranked:
         module = by_id[key]
-        params = _params(module, None)
-        on_device = _params(module, device)
+        params = every[key]
+        on_device = _params(module, device) if params else {}
         top = re.split(r"[.\[]", name, maxsplit=1)[0]
         if (
             not params
