@@ -137,7 +137,10 @@ class GpuMemMagics(Magics):
         exactly and ``--limit`` emulates a card of that size.
 
         As a line magic (``%gpumem``) it prints each visible GPU: used/total, this process's
-        allocated/reserved memory and the other processes on it (NVML); ``%gpumem --snapshot FILE``
+        allocated/reserved memory and the other processes on it (NVML), then what pins device memory
+        outside the namespace's variables (an earlier error's traceback, ``Out``/``_``, exceptions,
+        generators and closures kept in variables), with the path to each. ``%gpumem --free`` gives that
+        memory back without a kernel restart and says how much came back; ``%gpumem --snapshot FILE``
         writes the last run's allocator snapshot for PyTorch's memory viewer (pytorch.org/memory_viz).
 
         Examples::
@@ -150,9 +153,14 @@ class GpuMemMagics(Magics):
         """
         __tracebackhide__ = True  # the cell's own error shows its own frames, not the magic's
         if cell is None:
-            if line.strip():
+            words = line.split()
+            if words == ["--free"]:
+                print(free_pinned_memory(self.shell))
+                return None
+            if words:
                 return self._line_snapshot(line)
             print(device_status())
+            print(pinned_status(self.shell))
             return None
         try:
             args = parse_argstring(self.gpumem, line)
@@ -167,7 +175,10 @@ class GpuMemMagics(Magics):
 
         session = self._session()
         spec = RunSpec(
-            source=cell, options=options, cell_id=cell_id(self.shell), execution_count=self.shell.execution_count
+            source=cell,
+            options=options,
+            cell_id=cell_id(self.shell),
+            execution_count=self.shell.execution_count,
         )
         if options.find_batch:
             from .run.batch_search import find_batch
@@ -194,7 +205,7 @@ class GpuMemMagics(Magics):
         others = {k: v for k, v in vars(args).items() if v and k != "snapshot"} if args else {"?": 1}
         if args is None or not args.snapshot or others:
             raise UsageError(
-                f"%gpumem takes only --snapshot FILE (got {line.strip()!r}); %%gpumem is the cell magic"
+                f"%gpumem takes --free or --snapshot FILE (got {line.strip()!r}); %%gpumem is the cell magic"
             )
         session = self._session()
         if not session.history:
@@ -260,3 +271,43 @@ def device_status() -> str:
     except ImportError:
         pass
     return render_devices_text(read_devices(), this_process=mine)
+
+
+def _pin_device() -> str:
+    """The device whose pins ``%gpumem`` reads: the current CUDA device where CUDA is up, else the CPU."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def pinned_status(shell: Any) -> str:
+    """What pins device memory outside the namespace's variables, one line per holder."""
+    if "torch" not in __import__("sys").modules:
+        return "Pinned outside the namespace: nothing (torch is not imported)."
+    from .diagnosis.pins import describe, find_pins, pinned_bytes
+
+    device = _pin_device()
+    pins = find_pins(shell, device)
+    if not pins:
+        return f"Pinned on {device} outside the namespace's variables: nothing."
+    lines = [f"Pinned on {device} outside the namespace's variables: {format_bytes(pinned_bytes(pins))}"]
+    lines += describe(pins)
+    lines.append("%gpumem --free gives it back without a restart.")
+    return "\n".join(lines)
+
+
+def free_pinned_memory(shell: Any) -> str:
+    """Free what pins device memory outside the namespace (``run.release.free_pinned``); say how much."""
+    _import_torch()
+    from .diagnosis.pins import find_pins, pinned_bytes
+    from .run.release import free_pinned
+
+    device = _pin_device()
+    pinned = pinned_bytes(find_pins(shell, device))
+    back = free_pinned(shell, device)
+    text = f"%gpumem --free: {format_bytes(back)} given back on {device}"
+    if pinned > back:
+        text += f" ({format_bytes(pinned - back)} of what was pinned is still referenced elsewhere)"
+    return text + "."

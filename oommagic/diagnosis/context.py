@@ -11,6 +11,7 @@ cannot read: it leaves that figure out.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import types
@@ -23,7 +24,7 @@ from typing import Any
 from ..oom import OOMReport
 from ..timeline import Recording
 from . import source as cell
-from .findings import DiagnosisContext, Leftover, ModelInfo
+from .findings import DiagnosisContext, Frame, Kept, Leftover, Loading, ModelInfo, Pin
 from .source import BatchGuess
 
 # IPython's own names: output history (`_`, `__`, `_3`, `Out`), input history (`_i`, `_ii`, `_i3`, `In`).
@@ -44,7 +45,9 @@ SKIPPED_TYPES = (
 # Optimizer state per trainable parameter byte, by class name; an optimizer not listed counts as Adam.
 _MOMENTS = {"SGD": None, "Adagrad": 1.0, "RMSprop": 1.0, "Adadelta": 2.0, "Adafactor": 0.1, "Lion": 1.0}
 
+_SKIPPED = frozenset(SKIPPED_TYPES) | {bool, type(None)}  # exact types: a set lookup before isinstance
 Storages = dict[int, int]  # storage data_ptr -> bytes: views of one storage count once
+_MODE_LAYERS: tuple[type, ...] = ()  # dropout and batch norm, set on first use (torch imported lazily)
 
 
 @dataclass(frozen=True)
@@ -56,35 +59,199 @@ class NamespaceScan:
     ints: tuple[tuple[str, int], ...] = ()
     generation: bool = False
     prompt_tokens: int | None = None
+    prompt_batch: int | None = None
     trains: bool = False
     helpers: tuple[tuple[str, str], ...] = ()
     settings_batch: BatchGuess | None = None
+    frames: tuple[Frame, ...] = ()
+    kept: tuple[Kept, ...] = ()
+    grad_enabled: bool | None = None
+    pins: tuple[Pin, ...] = ()
+    loading: tuple[Loading, ...] = ()
+    installed: tuple[str, ...] = ()
+    transformers_version: str | None = None
 
 
-def scan_namespace(namespace: Mapping, device: str, source: str, applied: Iterable[str] = ()) -> NamespaceScan:
+def scan_namespace(
+    namespace: Mapping,
+    device: str,
+    source: str,
+    applied: Iterable[str] = (),
+    error: BaseException | None = None,
+    pins: tuple[Pin, ...] = (),
+) -> NamespaceScan:
     """Read tensors, modules and optimizers in ``namespace`` (one level into containers and objects) as
-    they sit on ``device``. Read-only and silent; does not initialise CUDA."""
+    they sit on ``device``, and from ``error``'s traceback the failing frames and what the cell's loops
+    keep in them. Read-only and silent; does not initialise CUDA. ``pins``: what ``diagnosis.pins`` found
+    pinned when the run started."""
     import torch
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         where = torch.device(device)
-        ints = tuple(
-            (k, v) for k, v in namespace.items() if type(v) is int and not IPYTHON_NAME.fullmatch(k)
-        )
+        ints = tuple((k, v) for k, v in namespace.items() if type(v) is int and not IPYTHON_NAME.fullmatch(k))
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
         leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
+        frames, scopes = failing_frames(error, namespace, source)
         return NamespaceScan(
             leftovers=leftovers,
             models=models,
             ints=ints,
             generation=_generates(source, namespace),
             prompt_tokens=prompt_tokens(source, namespace),
+            prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
             helpers=training_helpers(source, namespace),
             settings_batch=settings_batch(source, namespace),
+            frames=frames,
+            kept=kept_holdings(source, [*scopes, namespace], where),
+            grad_enabled=bool(torch.is_grad_enabled()),
+            pins=pins,
+            loading=loadings(source, namespace),
+            installed=installed(("bitsandbytes", "accelerate")),
+            transformers_version=_version("transformers"),
         )
+
+
+def failing_frames(
+    error: BaseException | None, namespace: Mapping, source: str
+) -> tuple[tuple[Frame, ...], list[Mapping]]:
+    """(the frames of ``error``'s traceback, outermost first, those of the cell marked; the locals of the
+    cell's function frames, innermost first). The cell's code is the file of the frame that runs with the
+    namespace as its globals."""
+    import linecache
+
+    if error is None:
+        return (), []
+    raw = []
+    tb = error.__traceback__
+    while tb is not None:
+        raw.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    cell_files = {f.f_code.co_filename for f, _ in raw if f.f_globals is namespace}
+    lines = source.split("\n")
+    frames, scopes = [], []
+    for frame, lineno in raw:
+        code = frame.f_code
+        in_cell = code.co_filename in cell_files
+        if in_cell and 0 < lineno <= len(lines):
+            # The cell as compiled may differ from `source` by IPython's transforms: trust matching text.
+            text = linecache.getline(code.co_filename, lineno).strip()
+            in_cell = not text or text == lines[lineno - 1].strip()
+        if str(frame.f_globals.get("__name__", "")).startswith(("IPython.", "oommagic.")):
+            continue
+        frames.append(Frame(code.co_name, lineno, in_cell, code.co_filename))
+        if in_cell and code.co_flags & 0x0002:
+            with contextlib.suppress(Exception):
+                scopes.append(dict(frame.f_locals))
+    return tuple(frames), scopes[::-1]
+
+
+def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept, ...]:
+    """For each list or total the cell's loops keep values in (``outs`` in ``outs.append(v)``), found in
+    the first of ``scopes`` that has it: its tensors, their bytes on ``device``, how many carry a graph."""
+    import torch
+
+    found = []
+    for holder in dict.fromkeys(s.holder for s in cell.kept_sites(source, most=100) if s.holder):
+        value = next((sc[holder] for sc in scopes if holder in sc), None)
+        if value is None:
+            continue
+        kind = type(value)
+        if issubclass(kind, (list, tuple)):
+            items = list(_first(value))
+        elif issubclass(kind, dict):
+            items = list(_first(dict.values(value)))
+        else:
+            items = [value]
+        tensors = [t for t in items if issubclass(type(t), torch.Tensor)]
+        if not tensors:
+            continue
+        storages: Storages = {}
+        for t in tensors:
+            with contextlib.suppress(Exception):
+                tensor_storages(t, device, storages)
+        graphs = sum(1 for t in tensors if t.grad_fn is not None)
+        found.append(Kept(holder, len(tensors), sum(storages.values()), graphs))
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=8)
+def installed(names: tuple[str, ...]) -> tuple[str, ...]:
+    """Which of ``names`` can be imported in this kernel (found, not imported). Cached: a package installed
+    later needs a kernel restart to be used anyway."""
+    import importlib.util
+
+    out = []
+    for name in names:
+        with contextlib.suppress(Exception):
+            if importlib.util.find_spec(name) is not None:
+                out.append(name)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=8)
+def _version(dist: str) -> str | None:
+    module = __import__("sys").modules.get(dist)
+    version = getattr(module, "__version__", None) if module is not None else None
+    if version is None:
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version as meta_version
+
+            version = meta_version(dist)
+    return version if isinstance(version, str) else None
+
+
+def loadings(source: str, namespace: Mapping) -> tuple[Loading, ...]:
+    """The ``from_pretrained`` calls of the cell, with the size and dtype of the checkpoint they load where
+    its files are on disk (a local folder, or the Hugging Face cache)."""
+    strings = {k: v for k, v in namespace.items() if type(v) is str and not IPYTHON_NAME.fullmatch(k)}
+    out = []
+    for call in cell.load_calls(source):
+        what = cell.string_value(call.what, strings)
+        size, dtype = checkpoint_size(what) if what else (None, None)
+        out.append(Loading(call.func, what or call.what, call.line, size, dtype))
+    return tuple(out)
+
+
+_SAFETENSORS_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I8": "int8"}
+
+
+def checkpoint_size(what: str) -> tuple[int | None, str | None]:
+    """(bytes of the weight files, their main dtype) of a model folder or a Hub id in the local cache;
+    (None, None) where no files are found. Reads file sizes and safetensors headers only."""
+    import glob
+    import json
+    import struct
+
+    folders = [what] if os.path.isdir(what) else []
+    if not folders and "/" in what and not what.startswith((".", "/")):
+        hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+            os.environ.get("HF_HOME", os.path.expanduser("~/.cache/huggingface")), "hub"
+        )
+        snaps = sorted(glob.glob(os.path.join(hub, "models--" + what.replace("/", "--"), "snapshots", "*")))
+        folders = snaps[-1:]
+    for folder in folders:
+        files = glob.glob(os.path.join(folder, "*.safetensors")) or glob.glob(os.path.join(folder, "*.bin"))
+        if not files:
+            continue
+        size = sum(os.path.getsize(f) for f in files)
+        dtypes: Counter[str] = Counter()
+        with contextlib.suppress(Exception):
+            for f in files[:1]:
+                if f.endswith(".safetensors"):
+                    with open(f, "rb") as fh:
+                        (n,) = struct.unpack("<Q", fh.read(8))
+                        header = json.loads(fh.read(min(n, 64 * 1024**2)))
+                    for key, entry in header.items():
+                        if key != "__metadata__":
+                            start, end = entry["data_offsets"]
+                            dtypes[_SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"].lower())] += (
+                                end - start
+                            )
+        return size, dtypes.most_common(1)[0][0] if dtypes else None
+    return None, None
 
 
 def make_context(
@@ -102,6 +269,9 @@ def make_context(
     ints = dict(scan.ints)
     gone = set(dropped)
     other_gpus, processes = read_machine(recording.device, report)
+    frames = scan.frames
+    line = next((f.line for f in reversed(frames) if f.in_cell), None)
+    evaluating = _evaluating(source, frames, line)
     return DiagnosisContext(
         source=source,
         timeline=recording.timeline,
@@ -114,10 +284,12 @@ def make_context(
         models=scan.models,
         other_gpus=other_gpus,
         processes=processes,
+        owners=tuple((pid, *process_owner(pid)) for pid, _, _ in processes),
         generation=scan.generation,
         max_new_tokens=cell.keyword_value(source, "max_new_tokens", ints),
         num_beams=cell.keyword_value(source, "num_beams", ints),
         prompt_tokens=scan.prompt_tokens,
+        prompt_batch=scan.prompt_batch,
         has_truncation=cell.passes_true(source, "truncation"),
         autocast_on="autocast" in applied or cell.autocasts(source),
         bf16_supported=_bf16_supported(recording.device),
@@ -127,7 +299,45 @@ def make_context(
         trains=scan.trains or bool(cell.accumulation_name(source)),
         helpers=scan.helpers,
         applied=applied,
+        frames=frames,
+        kept=scan.kept,
+        grad_enabled=scan.grad_enabled,
+        evaluating=evaluating,
+        eval_batch=cell.eval_batch(source, line) if evaluating else None,
+        pins=scan.pins,
+        loading=scan.loading,
+        installed=scan.installed,
+        transformers_version=scan.transformers_version,
     )
+
+
+# Functions of transformers, Lightning and accelerate that evaluate (HF's Trainer.evaluate/predict run
+# evaluation_loop; Lightning's validation and test loops call *_step hooks).
+_EVAL_FRAMES = frozenset(
+    {
+        "evaluate",
+        "evaluation_loop",
+        "prediction_loop",
+        "predict",
+        "prediction_step",
+        "validation_step",
+        "test_step",
+        "predict_step",
+        "_evaluation_loop",
+        "_run_evaluate",
+        "run_evaluation",
+    }
+)
+
+
+def _evaluating(source: str, frames: tuple[Frame, ...], line: int | None) -> bool:
+    """Whether the failure came in an evaluation: through an evaluation function of a library, on a line
+    of the cell that runs under ``no_grad``/``inference_mode``, or in a cell that only evaluates."""
+    if any(f.function in _EVAL_FRAMES for f in frames):
+        return True
+    if line is not None and line in cell.grad_off_lines(source):
+        return True
+    return cell.evaluates(source)
 
 
 # --- the namespace ------------------------------------------------------------------------------------
@@ -142,12 +352,14 @@ def _holdings(
     modules: list[tuple[str, Any]] = []
     optimizers: list[Any] = []
     for name, value in list(namespace.items()):
-        if IPYTHON_NAME.fullmatch(name) or isinstance(value, SKIPPED_TYPES):
+        if type(value) in _SKIPPED or isinstance(value, SKIPPED_TYPES) or IPYTHON_NAME.fullmatch(name):
             continue
-        with contextlib.suppress(Exception):  # an exotic object must not stop the diagnosis
+        try:
             kind, storages = held_by(name, value, device, modules, optimizers)
-            if storages:
-                held[name] = (kind, storages)
+        except Exception:  # an exotic object must not stop the diagnosis
+            continue
+        if storages:
+            held[name] = (kind, storages)
     claimed: set[int] = set()
     leftovers = []
     in_use = _used_by_calls(source, namespace)
@@ -273,17 +485,27 @@ def held_by(
         optimizers.append(value)
         return "optimizer", optimizer_storages(value, device)
     if issubclass(kind, dict):
-        items = [(f"{name}[{k!r}]", v) for k, v in _first(dict.items(value))]
+        pairs = _first(dict.items(value))
+        label = "{}[{!r}]"
     elif issubclass(kind, (list, tuple, set, frozenset)):
-        items = [(f"{name}[{i}]", v) for i, v in enumerate(_first(value))]
+        pairs = enumerate(_first(value))
+        label = "{}[{}]"
     else:
         # A Trainer or a pipeline holds its model and optimizer as attributes.
-        attrs = instance_dict(value)
-        items = [(f"{name}.{k}", v) for k, v in _first(attrs.items()) if isinstance(k, str)]
+        pairs = _first(instance_dict(value).items())
+        label = "{}.{}"
     storages: Storages = {}
-    for inner_name, inner in items:
-        if issubclass(type(inner), (torch.Tensor, torch.nn.Module, torch.optim.Optimizer)):
-            storages.update(held_by(inner_name, inner, device, modules, optimizers)[1])
+    tensor = torch.Tensor
+    for key, inner in pairs:
+        inner_kind = type(inner)
+        if inner_kind in _SKIPPED:
+            continue
+        # Names are only built for what is listed by name (models, optimizers): a list of ten thousand
+        # tensors costs a storage lookup each (benchmarks/scan_cost.py).
+        if issubclass(inner_kind, tensor):
+            tensor_storages(inner, device, storages)
+        elif issubclass(inner_kind, (torch.nn.Module, torch.optim.Optimizer)):
+            storages.update(held_by(label.format(name, key), inner, device, modules, optimizers)[1])
     return "container", storages
 
 
@@ -308,8 +530,8 @@ def tensor_storages(t: Any, device: Any = None, into: Storages | None = None) ->
     into = {} if into is None else into
     # `.grad` of a non-leaf tensor warns and is always None.
     grad = t.grad if t.is_leaf else None
-    for tensor in (t, grad):
-        if tensor is None or (device is not None and not _on(tensor, device)):
+    for tensor in (t, grad) if grad is not None else (t,):
+        if device is not None and not _on(tensor, device):
             continue
         try:
             storage = tensor.untyped_storage()
@@ -322,6 +544,12 @@ def tensor_storages(t: Any, device: Any = None, into: Storages | None = None) ->
 
 
 def _on(t: Any, device: Any) -> bool:
+    # `t.device` builds a device object (~1.6 us); these flags cost a tenth of that, and a scan of a big
+    # namespace asks for every tensor (benchmarks/scan_cost.py).
+    if device.type == "cpu":
+        return t.is_cpu
+    if device.type == "cuda":
+        return t.is_cuda and (device.index is None or t.get_device() == device.index)
     return t.device.type == device.type and (device.index is None or t.device.index == device.index)
 
 
@@ -373,11 +601,13 @@ def _models(
                 moments[p.untyped_storage().data_ptr()] = factor
     listed: list[ModelInfo] = []
     covered: set[int] = set()
-    ranked = sorted(seen.items(), key=lambda s: -sum(_params(by_id[s[0]], None).values()))
+    # One pass over each model's parameters: a namespace may hold hundreds of models.
+    every = {key: _params(by_id[key], None) for key in seen}
+    ranked = sorted(seen.items(), key=lambda s: -sum(every[s[0]].values()))
     for key, name in ranked:
         module = by_id[key]
-        params = _params(module, None)
-        on_device = _params(module, device)
+        params = every[key]
+        on_device = _params(module, device) if params else {}
         top = re.split(r"[.\[]", name, maxsplit=1)[0]
         if (
             not params
@@ -405,6 +635,8 @@ def _params(module: Any, device: Any) -> Storages:
 def _model_info(
     name: str, module: Any, param_bytes: int, trains: bool, checkpointing: bool, moments: float | None
 ) -> ModelInfo:
+    global _MODE_LAYERS
+    _MODE_LAYERS = _MODE_LAYERS or _mode_layers()
     dtypes: Counter[str] = Counter()
     trainable = 0
     for p in module.parameters():
@@ -418,15 +650,22 @@ def _model_info(
         param_bytes=param_bytes,
         dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
         is_hf=hf,
-        supports_checkpointing=any(
-            "gradient_checkpointing_enable" in vars(c) for c in type(module).__mro__
-        )
+        supports_checkpointing=any("gradient_checkpointing_enable" in vars(c) for c in type(module).__mro__)
         and bool(type(module).__dict__.get("supports_gradient_checkpointing", True)),
         checkpointing_on=checkpointing or checkpointing_enabled(module),
         is_training=bool(attrs.get("training", False) and trainable and trains),
         trainable_bytes=trainable,
         moments=moments,
+        train_mode=bool(attrs.get("training", False)),
+        mode_layers=any(issubclass(type(m), _MODE_LAYERS) for m in _first(module.modules())),
     )
+
+
+def _mode_layers() -> tuple[type, ...]:
+    import torch
+
+    nn = torch.nn
+    return (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
 
 
 # --- the source, with the namespace -------------------------------------------------------------------
@@ -447,6 +686,12 @@ def _generates(source: str, namespace: Mapping) -> bool:
 def prompt_tokens(source: str, namespace: Mapping) -> int | None:
     """The length of the inputs of the cell's first ``.generate(...)``, where they name a tensor (or a
     mapping with ``input_ids``) in the namespace. None where the cell builds them itself."""
+    return prompt_shape(source, namespace)[1]
+
+
+def prompt_shape(source: str, namespace: Mapping) -> tuple[int | None, int | None]:
+    """(prompts, tokens per prompt) of the inputs of the cell's first ``.generate(...)``, read like
+    ``prompt_tokens``; (None, None) where not readable."""
     import torch
 
     for name, key in cell.generate_inputs(source):
@@ -455,8 +700,9 @@ def prompt_tokens(source: str, namespace: Mapping) -> int | None:
             if key is not None:
                 value = dict.get(value, key) if isinstance(value, dict) else value.data[key]
             if issubclass(type(value), torch.Tensor) and value.dim() >= 1:
-                return int(value.shape[-1])
-    return None
+                batch = int(value.shape[0]) if value.dim() >= 2 else 1
+                return batch, int(value.shape[-1])
+    return None, None
 
 
 # --- the machine --------------------------------------------------------------------------------------
@@ -533,6 +779,21 @@ def read_machine(
                 if i != index:
                     other_gpus.append((i, torch.cuda.mem_get_info(i)[0]))
     return tuple(other_gpus), _without_self(processes, report)
+
+
+def process_owner(pid: int) -> tuple[str | None, str | None]:
+    """(user, command line) of ``pid`` from ``/proc`` (Linux); None where it cannot be read, as for a host
+    PID seen from inside a container."""
+    import pwd
+
+    user = command = None
+    with contextlib.suppress(Exception):
+        with open(f"/proc/{pid}/status") as f:
+            uid = next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+        user = pwd.getpwuid(uid).pw_name
+    with contextlib.suppress(Exception), open(f"/proc/{pid}/cmdline", "rb") as f:
+        command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:200] or None
+    return user, command
 
 
 def _without_self(processes: list[tuple[int, str, int]], report: OOMReport | None) -> tuple:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from ..oom import OOMReport
 from ..sizes import format_bytes as fmt
 from ..timeline import Timeline
-from .source import BatchGuess
+from .source import BatchGuess, EvalBatch
 
 __all__ = [
     "KINDS",
@@ -21,8 +21,12 @@ __all__ = [
     "DiagnosisContext",
     "Figures",
     "Finding",
+    "Frame",
+    "Kept",
     "Leftover",
+    "Loading",
     "ModelInfo",
+    "Pin",
     "Remedy",
     "figures",
 ]
@@ -49,9 +53,13 @@ KINDS = frozenset(
         "multi_gpu",
         "keep_numbers",
         "no_grad",
+        "eval_batch",
+        "free_pinned",
+        "split_generate",
+        "kv_cache",
+        "shutdown_kernel",
     }
 )
-
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,6 @@ class Remedy:
     @classmethod
     def from_json(cls, data: dict) -> Remedy:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
-
-
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,51 @@ class Leftover:
 
 
 @dataclass(frozen=True)
+class Kept:
+    """What a list or running total the cell's loop keeps held at the failure: ``items`` tensors,
+    ``bytes`` on the device, ``graphs`` of them carrying an autograd graph (``grad_fn``)."""
+
+    name: str
+    items: int
+    bytes: int
+    graphs: int
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One frame of the failing traceback, outermost first: the function, its line, whether it is the
+    cell's own code (``line`` is then a line of the cell), and the file."""
+
+    function: str
+    line: int
+    in_cell: bool = False
+    file: str = ""
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Device memory held outside the namespace's variables: ``holder`` is where it hangs (``sys.last_value``,
+    ``Out[3]``, ``_``, a generator or exception in the namespace), ``chain`` the path to the tensors
+    (``sys.last_value → traceback → train() → local 'x'``), ``bytes`` what it holds."""
+
+    holder: str
+    chain: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Loading:
+    """Weights the cell loads with ``from_pretrained``: ``func`` and the model ``what`` as written, the bytes
+    of the checkpoint files found on disk (None: not found) and their dtype (None: not read)."""
+
+    func: str
+    what: str
+    line: int
+    bytes: int | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
 
@@ -129,7 +180,11 @@ class ModelInfo:
     checkpointing_on: bool = False
     is_training: bool = False
     trainable_bytes: int | None = None  # parameters that get gradients (None: all of them)
-    moments: float | None = None  # optimizer state per trainable byte (Adam 2, SGD 0-1); None: no optimizer seen
+    moments: float | None = (
+        None  # optimizer state per trainable byte (Adam 2, SGD 0-1); None: no optimizer seen
+    )
+    train_mode: bool = False  # module.training, whatever the cell does
+    mode_layers: bool = False  # has dropout or batch-norm layers, whose results depend on train()/eval()
 
     @property
     def state_bytes(self) -> int:
@@ -157,10 +212,12 @@ class DiagnosisContext:
     models: tuple[ModelInfo, ...] = ()
     other_gpus: tuple[tuple[int, int], ...] = ()  # (cuda index, free bytes)
     processes: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes) of other processes, from NVML
+    owners: tuple[tuple[int, str | None, str | None], ...] = ()  # (pid, user, command line), from /proc
     generation: bool = False
     max_new_tokens: int | None = None
     num_beams: int | None = None
     prompt_tokens: int | None = None  # the length of the inputs handed to generate(), where readable
+    prompt_batch: int | None = None  # how many prompts generate() got at once, where readable
     has_truncation: bool = False
     autocast_on: bool = False
     bf16_supported: bool = True
@@ -168,15 +225,31 @@ class DiagnosisContext:
     expandable_segments_on: bool = False
     grad_accum_name: str | None = None
     trains: bool = False  # the cell trains itself or through the notebook functions it calls
-    helpers: tuple[tuple[str, str], ...] = ()  # (name, source) of notebook functions the cell calls that train
+    helpers: tuple[
+        tuple[str, str], ...
+    ] = ()  # (name, source) of notebook functions the cell calls that train
     applied: tuple[str, ...] = ()  # kinds of the fixes in force for this run, in the order applied
+    frames: tuple[Frame, ...] = ()  # the failing traceback, outermost first
+    kept: tuple[Kept, ...] = ()  # what the lists and totals the cell's loops keep held at the failure
+    grad_enabled: bool | None = None  # autograd on where the error came (None: not known)
+    evaluating: bool = False  # the failure came in an evaluation (frames, no_grad block, evaluate())
+    eval_batch: EvalBatch | None = None
+    pins: tuple[Pin, ...] = ()  # device memory held outside the namespace's variables
+    loading: tuple[Loading, ...] = ()
+    installed: tuple[str, ...] = ()  # of bitsandbytes, accelerate: those importable in this kernel
+    transformers_version: str | None = None
 
+    @property
+    def failing_line(self) -> int | None:
+        """The line of the cell the error came through (its innermost frame in the cell)."""
+        return next((f.line for f in reversed(self.frames) if f.in_cell), None)
 
     @property
     def training(self) -> bool:
         """Whether this run trains: the cell says so, or a model in it is in training mode with trainable
-        parameters. The one rule every reader uses."""
-        return self.trains or any(m.is_training for m in self.models)
+        parameters; not when the failure came in an evaluation (its trials run it whole). The one rule
+        every reader uses."""
+        return not self.evaluating and (self.trains or any(m.is_training for m in self.models))
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,22 @@ from .rewrite import (
     changed_lines,
     insert_after_assignment,
     keep_numbers_source,
+    load_source,
+    no_grad_source,
     rewrite_batch,
     set_call_keyword,
+    set_literal,
+    split_generate_source,
 )
-from .source import BatchGuess, calls_with_keyword, checkpoints, kept_sites, tokenizer_calls
+from .source import (
+    BatchGuess,
+    EvalBatch,
+    calls_with_keyword,
+    checkpoints,
+    eval_batch_literal,
+    kept_sites,
+    tokenizer_calls,
+)
 
 MIB = 1024**2
 # Measured on GPT-2 124M on an H200 (DESIGN.md): bf16 autocast cut the peak 16%, three times faster;
@@ -31,6 +43,7 @@ CHECKPOINTING_SAVING = 0.60
 MARGIN = 0.10
 # Bytes per parameter by dtype (float32 otherwise); 4-bit loading stores ~half a byte per weight.
 ELEMENT_SIZE = {"float64": 8, "double": 8, "float16": 2, "half": 2, "bfloat16": 2, "int8": 1, "uint8": 1}
+
 
 def _made(fig: Figures, kind: str, title: str, explanation: str, saving: int | None, **kw: Any) -> Remedy:
     # Every explanation ends by saying whether the saving covers what was missing.
@@ -140,6 +153,25 @@ def other_gpu(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
         "# first cell after a kernel restart; or, without a restart, move the work there:\n"
         f"import torch\ntorch.cuda.set_device({idx})\nmodel.to('cuda:{idx}')",
         params={"index": idx},
+    )
+
+
+def stop_process(fig: Figures, pid: int, held: int, user: str | None, command: str | None) -> Remedy:
+    """Stopping another process that holds memory on the card. Not run by the kernel: the sidebar calls
+    the server's ``oommagic/kernels/shutdown`` route with ``pid`` after the person confirms, and that
+    route stops only kernels of its own server."""
+    who = command or f"PID {pid}"
+    return _made(
+        fig,
+        "shutdown_kernel",
+        f"Shut down PID {pid} ({fmt(held)})",
+        f"PID {pid} ({who}{', user ' + user if user else ''}) holds {fmt(held)} of this card. If it is a "
+        "kernel of this Jupyter server the sidebar shuts it down after asking, naming its notebook; "
+        "otherwise its owner can stop it.",
+        held,
+        code=f"# a kernel of this server: the sidebar's 'Shut down the kernel of …' (asks first)\n"
+        f"# any other process, by its owner:\nkill {pid}",
+        params={"pid": pid, "bytes": held, "user": user, "command": command},
     )
 
 
@@ -359,10 +391,34 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     if remedy.kind == "truncate":
         for func in tokenizer_calls(source):
             cut = set_call_keyword(source, func, "truncation", True)
-            source = (cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)) or source
+            source = (
+                cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)
+            ) or source
         return source
     if remedy.kind == "keep_numbers":
         return keep_numbers_source(source) or source
+    if remedy.kind == "no_grad":
+        names = set(p.get("models", ()))
+        return no_grad_source(source, names, tuple(p.get("eval", ()))) or source
+    if remedy.kind == "quantize" and p.get("loads"):
+        if p.get("dtype"):
+            keyword = p.get("keyword", "dtype")
+            return load_source(source, {keyword: "torch.bfloat16"}, ("import torch",)) or source
+        quant = "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)"
+        imports = ("import torch", "from transformers import BitsAndBytesConfig")
+        return load_source(source, {"quantization_config": quant}, imports) or source
+    if remedy.kind == "quantize" and p.get("models"):
+        return "import torch\n" + "".join(f"{n}.to(torch.bfloat16)\n" for n in p["models"]) + source
+    if remedy.kind == "offload":
+        mem = f'{{0: "{p["max_memory_gib"]}GiB", "cpu": "64GiB"}}'
+        return load_source(source, {"device_map": '"auto"', "max_memory": mem}) or source
+    if remedy.kind == "split_generate":
+        return split_generate_source(source, p["chunk"]) or source
+    if remedy.kind == "kv_cache":
+        return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
+    if remedy.kind == "eval_batch":
+        node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
+        return (set_literal(source, node, p["new"]) if node is not None else None) or source
     return source
 
 
@@ -464,7 +520,7 @@ def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Re
         code = "\n".join(f"# line {n}, was: {was}\n{now}" for n, was, now in sites)
     else:
         code = _KEEP_GENERIC
-    keep = _made(fig, "keep_numbers", "Keep numbers, not tensors, across steps", why, kept, code=code)
+    keep = keep_numbers(ctx, fig, kept, why, code)
     no_grad = Remedy(
         "no_grad",
         "Evaluate inside the loop under torch.no_grad()",
@@ -474,6 +530,203 @@ def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Re
         code=_NO_GRAD,
     )
     return [keep, no_grad]
+
+
+def keep_numbers(ctx: DiagnosisContext, fig: Figures, saving: int | None, why: str, code: str) -> Remedy:
+    """Each kept value of the cell's loops kept as ``.item()`` (a loss) or ``.detach().cpu()`` (an output):
+    a button where the cell itself has such a statement, the snippet otherwise."""
+    new_source = keep_numbers_source(ctx.source)
+    new_source = new_source if new_source != ctx.source else None
+    return _made(
+        fig,
+        "keep_numbers",
+        "Keep numbers, not tensors, across steps"
+        if new_source is None
+        else "Keep " + ", ".join(f"`{s.replacement}`" for s in kept_sites(ctx.source)) + " across iterations",
+        why,
+        saving,
+        code=code,
+        automatic=new_source is not None,
+        new_source=new_source,
+    )
+
+
+def kept_in_loop(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
+    """``keep_numbers`` for a loop that keeps tensors with no optimizer step to measure growth by."""
+    sites = kept_sites(ctx.source)
+    why = (
+        "A tensor kept across iterations keeps its memory, and one that came out of a forward pass with "
+        "autograd on keeps that pass's graph and activations too. A loss is kept as a Python number "
+        "(`.item()`), an output as a detached copy in host memory (`.detach().cpu()`)."
+    )
+    code = "\n".join(f"# line {s.line}, was: {s.was}\n{s.now}" for s in sites) or _KEEP_GENERIC
+    return keep_numbers(ctx, fig, saving, why, code)
+
+
+def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
+    """The cell's work under ``torch.inference_mode()``, with ``model.eval()`` for models in training mode
+    that have dropout or batch norm."""
+    names = {m.name.split(".", 1)[0] for m in ctx.models}
+    to_eval = tuple(m.name for m in ctx.models if m.train_mode and m.mode_layers and m.name.isidentifier())
+    new_source = no_grad_source(ctx.source, names, to_eval)
+    why = (
+        "With autograd on, every forward pass records a graph and keeps the activations the backward pass "
+        "would need; nothing here calls backward. Under `torch.inference_mode()` none is kept (use "
+        "`torch.no_grad()` instead if these outputs later feed a backward pass)."
+    )
+    if to_eval:
+        why += (
+            f" {', '.join(to_eval)} {'is' if len(to_eval) == 1 else 'are'} in training mode with dropout or "
+            "batch norm: `.eval()` gives evaluation results."
+        )
+    return _made(
+        fig,
+        "no_grad",
+        "Run under torch.inference_mode()" + (f" with {', '.join(to_eval)}.eval()" if to_eval else ""),
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else "with torch.inference_mode():\n    ...",
+        automatic=new_source is not None,
+        params={"models": sorted(names), "eval": list(to_eval)},
+        new_source=new_source,
+    )
+
+
+def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) -> Remedy:
+    """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is."""
+    node = eval_batch_literal(ctx.source, batch)
+    new_source = set_literal(ctx.source, node, new) if node is not None else None
+    saving = fig.activations * (batch.value - new) // batch.value if fig.activations else None
+    why = (
+        f"The failure came in an evaluation, whose memory scales with its own batch ({batch.name} of "
+        f"{batch.owner}); the training batch is left as it is. Evaluation results do not depend on its "
+        "batch size."
+    )
+    if batch.name == "per_device_eval_batch_size":
+        why += (
+            " Where the predictions pile up on the GPU until the end of the evaluation, "
+            "`eval_accumulation_steps=N` moves them to host memory every N steps."
+        )
+    return _made(
+        fig,
+        "eval_batch",
+        f"Evaluation batch {batch.value} → {new}",
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else f"{batch.name}={new}",
+        automatic=new_source is not None,
+        params={"name": batch.name, "owner": batch.owner, "old": batch.value, "new": new},
+        new_source=new_source,
+    )
+
+
+def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:
+    shown = ", ".join(dict.fromkeys(holders[:4]))
+    return _made(
+        fig,
+        "free_pinned",
+        f"Give back the {fmt(pinned)} pinned by {shown}",
+        "Clears the frames of earlier errors' tracebacks (the exceptions stay, without their locals), drops "
+        "the output-history entries that hold device memory, and closes suspended generators that do; "
+        "no kernel restart. The same as `%gpumem --free`.",
+        pinned,
+        code="%gpumem --free",
+        automatic=True,
+        params={"holders": list(dict.fromkeys(holders))},
+    )
+
+
+def _dtype_keyword(version: str | None) -> str:
+    """transformers 4.56 renamed ``torch_dtype=`` to ``dtype=``; older versions only know the first."""
+    try:
+        major, minor = (int(x) for x in (version or "5.0").split(".")[:2])
+    except ValueError:
+        return "dtype"
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+def weights_remedies(
+    ctx: DiagnosisContext, fig: Figures, fp32_bytes: int, loads: bool, hf_names: list[str]
+) -> list[Remedy | None]:
+    """bfloat16 weights, 4-bit loading, offload: rewrites of the cell's ``from_pretrained`` call where it
+    has one (``loads``), else bfloat16 for the Hugging Face models in the namespace (``hf_names``)."""
+    out: list[Remedy | None] = []
+    half = fp32_bytes // 2
+    why = "bfloat16 stores each weight in 2 bytes instead of float32's 4; results differ only in rounding."
+    keyword = _dtype_keyword(ctx.transformers_version)
+    if loads:
+        new = load_source(ctx.source, {keyword: "torch.bfloat16"}, ("import torch",))
+    elif hf_names:
+        lines = "\n".join(f"{n}.to(torch.bfloat16)" for n in hf_names)
+        new = f"import torch\n{lines}\n{ctx.source}"
+    else:
+        new = None
+    new = new if new != ctx.source else None
+    code = changed_lines(ctx.source, new) if new else "model = model.to(torch.bfloat16)"
+    out.append(
+        _made(
+            fig,
+            "quantize",
+            "bfloat16 weights",
+            why,
+            half,
+            code=code,
+            automatic=new is not None,
+            params={"dtype": "bfloat16", "loads": loads, "models": hf_names, "keyword": keyword},
+            new_source=new,
+        )
+    )
+    if not loads:
+        return out
+    four = fp32_bytes * 7 // 8  # 4-bit: about half a byte per weight instead of 4
+    has_bnb = "bitsandbytes" in ctx.installed
+    quant = "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)"
+    new = (
+        load_source(
+            ctx.source,
+            {"quantization_config": quant},
+            ("import torch", "from transformers import BitsAndBytesConfig"),
+        )
+        if has_bnb
+        else None
+    )
+    title = "4-bit weights (bitsandbytes)" if has_bnb else "4-bit weights: first `pip install bitsandbytes`"
+    out.append(
+        _made(
+            fig,
+            "quantize",
+            title,
+            "bitsandbytes stores each weight in about half a byte and computes in bfloat16 (8-bit: "
+            "`load_in_8bit=True`, one byte)."
+            + ("" if has_bnb else " It is not installed in this kernel: install it, restart, then retry."),
+            four,
+            code=(changed_lines(ctx.source, new) if new else "%pip install bitsandbytes\n" + _LOAD_4BIT),
+            automatic=new is not None,
+            params={"bits": 4, "loads": True},
+            new_source=new,
+        )
+    )
+    if fig.budget and ctx.device.startswith("cuda"):
+        gib = max(int(fig.budget * (1 - MARGIN)) // 1024**3, 1)
+        has_acc = "accelerate" in ctx.installed
+        keywords = {"device_map": '"auto"', "max_memory": f'{{0: "{gib}GiB", "cpu": "64GiB"}}'}
+        new = load_source(ctx.source, keywords) if has_acc else None
+        out.append(
+            _made(
+                fig,
+                "offload",
+                "Offload layers to CPU memory (device_map='auto')"
+                + ("" if has_acc else ": first `pip install accelerate`"),
+                f"Accelerate keeps at most {gib} GiB of layers on the GPU and the rest in CPU memory, moving "
+                "each in when it runs: it fits, but runs much slower.",
+                max(fp32_bytes - fig.budget, 0) or None,
+                code=changed_lines(ctx.source, new) if new else "%pip install accelerate",
+                automatic=new is not None,
+                params={"device_map": "auto", "max_memory_gib": gib},
+                new_source=new,
+            )
+        )
+    return out
 
 
 # --- generation and input length -----------------------------------------------------------------------
@@ -512,7 +765,47 @@ def generate_keyword(
     )
 
 
-def truncate(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512) -> Remedy:
+def split_generate(ctx: DiagnosisContext, fig: Figures, batch: int, chunk: int, saving: int | None) -> Remedy:
+    """The cell's ``generate`` calls run over ``chunk`` prompts at a time, one chunk after another."""
+    new_source = split_generate_source(ctx.source, chunk)
+    return _made(
+        fig,
+        "split_generate",
+        f"Generate {chunk} prompts at a time (of {batch})",
+        "The KV cache and the prefill's activations grow with the number of prompts generated together; "
+        f"running them {chunk} at a time holds one chunk's worth, and the outputs are joined (right-padded "
+        "to one length). Same results, a little slower.",
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else "",
+        automatic=new_source is not None,
+        params={"chunk": chunk, "batch": batch},
+        new_source=new_source,
+    )
+
+
+def kv_cache_offload(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
+    """transformers' offloaded KV cache: each layer's cache in host memory until that layer runs."""
+    new_source = set_call_keyword(ctx.source, "generate", "cache_implementation", "offloaded")
+    new_source = new_source if new_source != ctx.source else None
+    return _made(
+        fig,
+        "kv_cache",
+        'Offloaded KV cache (cache_implementation="offloaded")',
+        "transformers keeps the KV cache of every layer but the running one in CPU memory and prefetches "
+        "the next: the cache stops growing on the GPU, generation runs slower.",
+        saving,
+        code=changed_lines(ctx.source, new_source)
+        if new_source
+        else 'model.generate(..., cache_implementation="offloaded")',
+        automatic=new_source is not None,
+        params={"cache_implementation": "offloaded"},
+        new_source=new_source,
+    )
+
+
+def truncate(
+    ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512, outlier: bool = False
+) -> Remedy:
     """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays)."""
     source = ctx.source
     for func in tokenizer_calls(ctx.source):
@@ -529,6 +822,6 @@ def truncate(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length
         if new_source
         else f"tokenizer(texts, truncation=True, max_length={max_length})",
         automatic=new_source is not None,
-        params={"max_length": max_length},
+        params={"max_length": max_length, "outlier": outlier},
         new_source=new_source,
     )

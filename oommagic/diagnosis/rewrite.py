@@ -101,7 +101,9 @@ def _lightning_trainer_calls(tree: ast.Module) -> list[ast.Call]:
         and dotted_name(n.func).rsplit(".", 1)[-1] == "Trainer"
         and not any(k.arg == "args" for k in n.keywords)
         and not any(k.arg == "accumulate_grad_batches" for k in n.keywords)
-        and any(k.arg in ("max_epochs", "max_steps", "accelerator", "devices", "precision") for k in n.keywords)
+        and any(
+            k.arg in ("max_epochs", "max_steps", "accelerator", "devices", "precision") for k in n.keywords
+        )
     ]
 
 
@@ -227,7 +229,9 @@ def accumulate_loops(source: str, steps: int, counter: str = "micro_step") -> st
         return None
     for loop in loops:
         loop_indent = src.lines[loop.lineno - 1][: loop.col_offset]
-        edits.append((src.starts[loop.lineno - 1], src.starts[loop.lineno - 1], f"{loop_indent}{counter} = 0\n"))
+        edits.append(
+            (src.starts[loop.lineno - 1], src.starts[loop.lineno - 1], f"{loop_indent}{counter} = 0\n")
+        )
         if isinstance(loop, ast.For) and _is_range_call(loop.iter):
             arg = loop.iter.args[-1] if len(loop.iter.args) == 1 else None
             if arg is not None:
@@ -310,7 +314,11 @@ def _loss_of(backward: ast.Call) -> ast.expr:
 
 def _owner(call: ast.Call) -> str:
     """The last name of what a method is called on (``scaler`` in ``self.scaler.step(opt)``)."""
-    return dotted_name(call.func.value).rsplit(".", 1)[-1].lower() if isinstance(call.func, ast.Attribute) else ""
+    return (
+        dotted_name(call.func.value).rsplit(".", 1)[-1].lower()
+        if isinstance(call.func, ast.Attribute)
+        else ""
+    )
 
 
 def keep_numbers_source(source: str) -> str | None:
@@ -322,3 +330,121 @@ def keep_numbers_source(source: str) -> str | None:
     if not sites:
         return None
     return _checked(_apply(source, [(s.start, s.end, s.replacement) for s in sites]))
+
+
+def wrap_lines(source: str, first: int, last: int, header: str, before: tuple[str, ...] = ()) -> str | None:
+    """Return the cell with lines ``first``..``last`` (1-based, whole statements at one indentation) put
+    in a block under ``header`` (``with torch.inference_mode():``), and ``before`` on their own lines
+    above it. None where the result does not parse."""
+    lines = source.split("\n")
+    block = lines[first - 1 : last]
+    indent = block[0][: len(block[0]) - len(block[0].lstrip())]
+    body = [("    " + line) if line.strip() else line for line in block]
+    head = [indent + b for b in before] + [indent + header]
+    return _checked("\n".join([*lines[: first - 1], *head, *body, *lines[last:]]))
+
+
+def no_grad_source(
+    source: str, names: frozenset[str] | set[str] = frozenset(), eval_models: tuple[str, ...] = ()
+) -> str | None:
+    """The cell with its work (the top-level statements that use ``names``, else all of them but imports,
+    definitions and literal assignments) run under ``torch.inference_mode()``, with ``model.eval()`` for
+    each of ``eval_models`` above it; ``import torch`` added where the cell does not name torch. None where
+    there is nothing to wrap."""
+    from .source import work_span
+
+    span = work_span(source, names)
+    if span is None:
+        return None
+    tree = tree_of(source)
+    named = tree is not None and any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    before = tuple(f"{m}.eval()" for m in eval_models)
+    wrapped = wrap_lines(source, *span, "with torch.inference_mode():", before)
+    if wrapped is None or named:
+        return wrapped
+    return _checked("import torch\n" + wrapped)
+
+
+def set_literal(source: str, node: ast.expr, value: object) -> str | None:
+    """The cell with the literal ``node`` (from this source's parse) replaced by ``repr(value)``."""
+    src = SourceText(source)
+    return _checked(_apply(source, [(*src.span(node), repr(value))]))
+
+
+class Code(str):
+    """Source text passed as a keyword's value: written as it is, not as a string literal."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def load_source(source: str, keywords: dict[str, str], imports: tuple[str, ...] = ()) -> str | None:
+    """The cell with ``keywords`` (name → source text) set in every ``from_pretrained(...)`` call, an
+    existing ``torch_dtype=`` replaced where ``dtype`` is set, and ``imports`` above the cell where it does
+    not have them. None where the cell makes no such call."""
+    new = source
+    if "dtype" in keywords and "torch_dtype=" in source:
+        keywords = {("torch_dtype" if k == "dtype" else k): v for k, v in keywords.items()}
+    for keyword, text in keywords.items():
+        new = set_call_keyword(new, "from_pretrained", keyword, Code(text))
+        if new is None:
+            return None
+    missing = [line for line in imports if line not in new]
+    return _checked("\n".join([*missing, new])) if missing else new
+
+
+CHUNKED_GENERATE = '''\
+def generate_in_chunks(generate, chunk, *args, **kwargs):
+    """generate() over slices of `chunk` prompts, one after another; outputs right-padded to one length."""
+    import torch
+
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim()]
+    tensors += [v for m in (*args, *kwargs.values()) if hasattr(m, "keys") for v in m.values()
+                if isinstance(v, torch.Tensor) and v.dim()]
+    n = tensors[0].shape[0]
+
+    def part(v, i):
+        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n:
+            return v[i : i + chunk]
+        if hasattr(v, "keys"):
+            return {k: part(x, i) for k, x in v.items()}
+        return v
+
+    outs = [generate(*[part(a, i) for a in args], **{k: part(v, i) for k, v in kwargs.items()})
+            for i in range(0, n, chunk)]
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        return outs
+    config = getattr(getattr(generate, "__self__", None), "generation_config", None)
+    pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+    pad = getattr(config, "eos_token_id", 0) if pad is None else pad
+    pad = (pad[0] if isinstance(pad, (list, tuple)) else pad) or 0
+    width = max(o.shape[-1] for o in outs)
+    return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[-1]), value=pad) for o in outs])
+'''
+
+
+def split_generate_source(source: str, chunk: int) -> str | None:
+    """The cell with each ``X.generate(...)`` call run over slices of ``chunk`` prompts one after another
+    (``generate_in_chunks(X.generate, chunk, ...)``, defined at the top of the cell). None where the cell
+    makes no such call."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "generate"
+    ]
+    if not calls:
+        return None
+    edits = []
+    for call in calls:
+        func = src.segment(call.func)
+        start, _ = src.span(call.func)
+        # `model.generate(` → `generate_in_chunks(model.generate, 8, `; an empty call keeps its parenthesis.
+        open_paren = src.offset(call.func.end_lineno, call.func.end_col_offset)
+        rest = "" if not (call.args or call.keywords) else ", "
+        edits.append((start, open_paren + 1, f"generate_in_chunks({func}, {chunk}{rest}"))
+    body = _apply(source, edits)
+    return _checked(CHUNKED_GENERATE + "\n\n" + body)

@@ -20,7 +20,7 @@ from ..timeline import Timeline
 from . import remedies as fix
 from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, figures
 from .remedies import MARGIN
-from .source import BatchGuess, names_read
+from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read
 
 __all__ = [
     "BatchGuess",
@@ -55,13 +55,18 @@ GROWTH_SHARE = 0.5
 WEIGHT = {
     "async_error": 2.0,  # the figures may point at the wrong line: find the real one first
     "too_large": 1.5,  # nothing short of a smaller model or another card makes it fit
+    "weights": 1.2,  # the weights' own bytes, from the checkpoint on disk or the model in the namespace
     "growth": 1.0,  # measured: the bytes kept across steps
+    "kept": 1.0,  # read from the namespace at the failure: what the loop's list or total held
+    "autograd": 1.0,
+    "pinned": 1.0,  # measured: bytes held by an earlier error's traceback, the output history, ...
     "fragmentation": 1.0,
     "leftovers": 1.0,
     "other_processes": 0.9,
     "activations": 0.9,
     "generation": 0.9,
-    "long_samples": 0.6,
+    # Only fires on an outlier step, and the fix cuts only the outliers: put it before the batch.
+    "long_samples": 1.2,
     "reserved_churn": 0.3,
     "limit": 0.1,  # context, not a fix: the limit was chosen on purpose
 }
@@ -127,10 +132,18 @@ def _other_processes(report: OOMReport | None, ctx: DiagnosisContext, fig: Figur
     if total < NOTICEABLE:
         return None
     ranked = sorted(held.items(), key=lambda p: -p[1][1])
-    who = "; ".join(f"PID {pid} ({name}) holds {fmt(b)}" for pid, (name, b) in ranked)
+    owners = {pid: (user, command) for pid, user, command in ctx.owners}
+
+    def who_is(pid: int, name: str) -> str:
+        user, command = owners.get(pid, (None, None))
+        parts = [f"user {user}" if user else "", f"`{command}`" if command else name]
+        return ", ".join(p for p in parts if p)
+
+    who = "; ".join(f"PID {pid} ({who_is(pid, name)}) holds {fmt(b)}" for pid, (name, b) in ranked)
     evidence = (
-        f"Other processes hold {fmt(total)} of this card: {who}. Stopping them (shut down their kernels, "
-        "or `kill PID`) gives it back."
+        f"Other processes hold {fmt(total)} of this card: {who}. Stopping them gives it back: a kernel of "
+        "this Jupyter server from the sidebar (it names the notebook and asks first), any other with "
+        "`kill PID` by its owner."
     )
     gpu = fix.other_gpu(ctx, fig)
     if gpu is None and ctx.other_gpus and fig.demand is not None:
@@ -138,7 +151,10 @@ def _other_processes(report: OOMReport | None, ctx: DiagnosisContext, fig: Figur
         evidence += (
             f" No other GPU has room for the {fmt(fig.demand)} this cell needs (GPU {idx}: {fmt(free)} free)."
         )
-    return _finding("other_processes", "Other processes share the card", evidence, [gpu], fig, saving=total)
+    stops = [fix.stop_process(fig, pid, b, *owners.get(pid, (None, None))) for pid, (_, b) in ranked[:4]]
+    return _finding(
+        "other_processes", "Other processes share the card", evidence, [gpu, *stops], fig, saving=total
+    )
 
 
 def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
@@ -148,7 +164,7 @@ def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     freeable = sum(lo.bytes for lo in free)
     # Models are leftovers too when gathered from a namespace; a hand-built context may list them only once.
     named = max(sum(lo.bytes for lo in held), sum(m.param_bytes for m in ctx.models))
-    unaccounted = ctx.before_allocated - named
+    unaccounted = ctx.before_allocated - named - sum(p.bytes for p in ctx.pins)
     big_unaccounted = fig.budget is not None and unaccounted >= FRAGMENTED_SHARE * fig.budget
     if freeable < NOTICEABLE and not big_unaccounted:
         return None
@@ -177,20 +193,80 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     req = fig.requested
     what = "limit" if (ctx.limit or (report and (report.limit or report.emulated))) else "card"
     single = req is not None and req > fig.budget
-    if not single and fig.state <= fig.budget:
+    state_too_large = fig.state > fig.budget and not _halving_fits(ctx, fig)
+    if not single and not state_too_large:
         return None
     parts = []
     if single:
         parts.append(
-            f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}: shrink what makes "
-            "it (batch, sequence length) or compute it in chunks"
+            f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}{_where(ctx)}: "
+            + _request_knob(ctx)
         )
-    if fig.state > fig.budget:
+    if state_too_large:
         each = ", ".join(_state_words(m) for m in ctx.models)
         parts.append(f"{each}: {fmt(fig.state)}, more than the {fmt(fig.budget)} {what}")
     evidence = "; ".join(parts) + ". No allocator setting or cache clear makes this fit."
-    remedies = fix.smaller_model(ctx, fig, fig.state)
+    remedies = fix.smaller_model(ctx, fig, fig.state) if state_too_large else []
+    if single:
+        # The one request scales with the batch that made it: the evaluation's where it failed there.
+        shrink, _ = _eval_batch_remedy(ctx, fig) if ctx.evaluating else _batch_remedy(ctx, fig, fig.training)
+        remedies.append(shrink)
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
+
+
+# Weights are "the bulk of the budget" from this share on: halving them is then the fix that matters.
+WEIGHTS_SHARE = 0.5
+
+
+def _weights(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """float32 weights that are the bulk of the budget: loaded by the cell (the checkpoint's size on disk)
+    or held by a model in the namespace, when the run does not train."""
+    if fig.budget is None or fig.training or (fig.state > fig.budget and not _halving_fits(ctx, fig)):
+        return None  # training state, and weights beyond even halving, are the too-large finding's
+    bulk = WEIGHTS_SHARE * fig.budget
+    loads = [x for x in ctx.loading if x.bytes and x.bytes >= bulk and x.dtype in (None, "float32")]
+    models = [m for m in ctx.models if m.dtype in ("float32", "float") and m.param_bytes >= bulk]
+    if not (loads or models):
+        return None
+    what = "limit" if (ctx.limit or (report and (report.limit or report.emulated))) else "card"
+    parts = [
+        f"line {x.line} `{x.func}({x.what!r})` loads {fmt(x.bytes)} of {x.dtype or 'float32'} weights"
+        for x in loads
+    ]
+    parts += [f"{m.name} holds {fmt(m.param_bytes)} of {m.dtype} weights on the device" for m in models]
+    fp32 = max(sum(x.bytes for x in loads), sum(m.param_bytes for m in models))
+    evidence = (
+        "; ".join(parts) + f": {fp32 / fig.budget:.0%} of the {fmt(fig.budget)} {what}, leaving "
+        f"{fmt(max(fig.budget - fp32, 0))} for everything else. In bfloat16 they take {fmt(fp32 // 2)}."
+    )
+    hf = [m.name for m in models if m.is_hf and m.name.isidentifier()]
+    remedies = fix.weights_remedies(ctx, fig, fp32, bool(loads), hf)
+    return _finding("weights", "Weights take most of the budget", evidence, remedies, fig)
+
+
+def _halving_fits(ctx: DiagnosisContext, fig: Figures) -> bool:
+    """Whether the run does not train and its float32 weights, halved to bfloat16, fit the budget: then
+    the weights finding offers that, not the too-large one."""
+    fp32 = [m for m in ctx.models if m.dtype in ("float32", "float")]
+    return bool(fp32) and not fig.training and fig.budget is not None and fig.state // 2 < fig.budget
+
+
+_LOGITS_WORDS = ("logits", "lm_head", "cross_entropy", "log_softmax", "softmax")
+
+
+def _request_knob(ctx: DiagnosisContext) -> str:
+    """What makes a single request smaller, read from the failing line and frames: the logits (batch ×
+    sequence × vocabulary) of a language model, else the batch and the sequence length."""
+    line = ctx.failing_line
+    text = ctx.source.split("\n")[line - 1].strip() if line and line <= len(ctx.source.split("\n")) else ""
+    frames = " ".join(f.function for f in ctx.frames)
+    if any(w in text or w in frames for w in _LOGITS_WORDS):
+        return (
+            "it looks like the logits, batch × sequence × vocabulary values at once. Fewer samples at a time "
+            "(the evaluation batch when evaluating), `logits_to_keep=1` where only the last position is "
+            "needed (generation, scoring), shorter sequences, or a chunked loss make it smaller"
+        )
+    return "shrink what makes it (batch, sequence length) or compute it in chunks"
 
 
 def _state_words(m: ModelInfo) -> str:
@@ -211,9 +287,12 @@ def _state_words(m: ModelInfo) -> str:
 
 def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     growth = _step_growth(ctx.timeline, fig)
-    if ctx.generation or not (fig.training or ctx.batch or growth):
+    if ctx.generation or not (fig.training or ctx.batch or growth or ctx.evaluating):
         return None
-    batch, note = _batch_remedy(ctx, fig, fig.training)
+    if ctx.evaluating:
+        batch, note = _eval_batch_remedy(ctx, fig)
+    else:
+        batch, note = _batch_remedy(ctx, fig, fig.training)
     evidence = _split_evidence(ctx, fig) + growth + note
     remedies = [batch]
     if ctx.autocast_on:
@@ -224,8 +303,37 @@ def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) 
         remedies.append(fix.checkpointing(ctx, fig))
         on = [m.name for m in ctx.models if m.checkpointing_on]
         evidence += f" Gradient checkpointing is already on for {', '.join(on)}." if on else ""
-    title = "Activations of the batch" + (" in training" if fig.training else "")
+    title = "Activations of the batch" + (
+        " in training" if fig.training else " in evaluation" if ctx.evaluating else ""
+    )
     return _finding("activations", title, evidence, remedies, fig)
+
+
+def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | None, str]:
+    """The evaluation batch halved (never the training batch: the failure came in an evaluation)."""
+    where = _where(ctx)
+    note = f" The failure came in an evaluation{where}, so the training batch is not the knob."
+    found = ctx.eval_batch
+    if found is None:
+        return None, note + (
+            " No evaluation batch size is set in the cell (`per_device_eval_batch_size=`, or `batch_size=` "
+            "of the loader the failing loop reads)."
+        )
+    if found.value < 2:
+        return None, note + f" Its {found.name} is already 1."
+    return fix.eval_batch(ctx, fig, found, found.value // 2), note
+
+
+def _where(ctx: DiagnosisContext) -> str:
+    """' (line 7 of the cell, in evaluation_loop())' from the failing frames."""
+    line = ctx.failing_line
+    last = max((i for i, f in enumerate(ctx.frames) if f.in_cell), default=None)
+    # The first library function the cell called there: the one a person recognises.
+    after = ctx.frames[last + 1 :] if last is not None else ()
+    inner = next((f.function for f in after if not f.function.startswith(("_", "<"))), None)
+    parts = [f"line {line} of the cell" if line else "", f"in {inner}()" if inner else ""]
+    text = ", ".join(p for p in parts if p)
+    return f" ({text})" if text else ""
 
 
 def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
@@ -240,10 +348,9 @@ def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
     line += f": {fmt(fig.fixed)} that does not grow with the batch"
     line += f" ({', '.join(what)})" if what else ""
     line += f", about {fmt(fig.activations)} that does"
-    if ctx.batch:
-        line += (
-            f" ({fmt(fig.activations // ctx.batch.value)} per sample at {ctx.batch.name}={ctx.batch.value})"
-        )
+    batch = ctx.eval_batch if ctx.evaluating else ctx.batch
+    if batch:
+        line += f" ({fmt(fig.activations // batch.value)} per sample at {batch.name}={batch.value})"
     return line + "."
 
 
@@ -363,7 +470,19 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     # known, halving max_new_tokens saves that share of it; where not, as if the generated were all.
     prompt = ctx.prompt_tokens or 0
     remedies = []
-    if ctx.max_new_tokens and ctx.max_new_tokens >= 2:
+    # The prompts outweigh what is generated: their prefill (every prompt at once) is the peak, and fewer
+    # new tokens shorten only the smaller part of the cache.
+    prefill = bool(ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens)
+    if ctx.prompt_batch and ctx.prompt_batch >= 2:
+        chunk = ctx.prompt_batch // 2
+        saving = act * (ctx.prompt_batch - chunk) // ctx.prompt_batch if act else None
+        remedies.append(fix.split_generate(ctx, fig, ctx.prompt_batch, chunk, saving))
+    if ctx.device.startswith("cuda") and _version_at_least(ctx.transformers_version, (4, 45)):
+        cache = (
+            act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
+        )
+        remedies.append(fix.kv_cache_offload(ctx, fig, cache))
+    if ctx.max_new_tokens and ctx.max_new_tokens >= 2 and not prefill:
         old, new = ctx.max_new_tokens, ctx.max_new_tokens // 2
         saving = act * (old - new) // (prompt + old) if act else None
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
@@ -374,6 +493,8 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, 1, saving))
     batch, note = _batch_remedy(ctx, fig, training=False)
     remedies.append(batch)
+    if batch is None and ctx.prompt_batch:
+        note = ""  # the split above is the batch's knob here
     short = ctx.prompt_tokens is not None and ctx.prompt_tokens <= TRUNCATE_TO
     if ctx.prompt_tokens is not None:
         why = f": truncating them to {TRUNCATE_TO} would change nothing" if short else ""
@@ -382,6 +503,12 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         cut = prompt - TRUNCATE_TO  # unknown prompts (0): no saving to promise
         saving = act * cut // (prompt + (ctx.max_new_tokens or 0)) if act and cut > 0 else None
         remedies.append(fix.truncate(ctx, fig, saving, TRUNCATE_TO))
+    if prefill:
+        note += (
+            f" The {ctx.prompt_tokens}-token prompts are longer than the {ctx.max_new_tokens} new tokens: "
+            f"the prefill of all {ctx.prompt_batch or 'the'} prompts at once is the peak, so fewer new "
+            "tokens cannot make it fit; generating fewer prompts at a time does."
+        )
     evidence = (
         _split_evidence(ctx, fig)
         + " In generation that is mostly the KV cache and logits, which grow with batch × beams × tokens"
@@ -390,6 +517,13 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         + note
     )
     return _finding("generation", "Generation memory", evidence, remedies, fig)
+
+
+def _version_at_least(version: str | None, least: tuple[int, int]) -> bool:
+    try:
+        return tuple(int(x) for x in (version or "").split(".")[:2]) >= least
+    except ValueError:
+        return False
 
 
 def _growth(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
@@ -407,10 +541,119 @@ def _growth(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Fi
     return _finding("growth", "Memory grows every step", evidence, remedies, fig, saving=growth.kept)
 
 
+def _kept(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """A loop of the cell keeps tensors (often with their graphs) from every iteration: read from what its
+    lists and totals held at the failure, where no optimizer steps show the growth."""
+    sites = kept_sites(ctx.source)
+    if not sites or _retained_growth(ctx.timeline, fig) is not None:
+        return None
+    held = [k for k in ctx.kept if k.items >= 2 or k.graphs]
+    kept_bytes = sum(k.bytes for k in held)
+    graphs = sum(k.graphs for k in held)
+    grown = fig.demand - ctx.before_allocated if fig.demand is not None else None
+    if not held or not (_matters(kept_bytes, fig) or (graphs >= 2 and grown and _matters(grown, fig))):
+        return None
+    what = "; ".join(
+        f"`{k.name}` held {k.items} tensors, {fmt(k.bytes)} on the device"
+        + (f", {k.graphs} of them with their autograd graph" if k.graphs else "")
+        for k in held
+    )
+    lines = ", ".join(f"line {s.line} `{s.was}`" for s in sites)
+    evidence = f"The cell's loop keeps a value of every iteration ({lines}). At the failure {what}."
+    if grown:
+        evidence += f" The cell had allocated {fmt(grown)} more than before it started."
+    if graphs:
+        evidence += (
+            " Each graph keeps the activations of its forward pass alive, which is more than the kept "
+            "tensors' own bytes."
+        )
+    items = max(k.items for k in held)
+    # What stays is one iteration's worth; the rest of what grew was kept for nothing.
+    saving = grown * (items - 1) // items if grown and graphs else kept_bytes
+    remedies = [fix.kept_in_loop(ctx, fig, saving)]
+    if graphs and _autograd_wasted(ctx):
+        remedies.append(fix.no_grad(ctx, fig, saving))
+    return _finding("kept", "Tensors kept across iterations", evidence, remedies, fig)
+
+
+def _top(name: str) -> str:
+    """``model`` of ``model``, ``trainer.model`` and ``models[0]``."""
+    return name.split(".", 1)[0].split("[", 1)[0]
+
+
+def _matters(nbytes: int, fig: Figures) -> bool:
+    """Large enough to be a cause: above the noise, or a quarter of the budget on a small (emulated) one."""
+    return nbytes >= NOTICEABLE or bool(fig.budget and nbytes >= FRAGMENTED_SHARE * fig.budget)
+
+
+def _autograd_wasted(ctx: DiagnosisContext) -> bool:
+    """Autograd was on where the error came, in a run that neither trains nor generates."""
+    if ctx.generation or ctx.training or ctx.grad_enabled is not True:
+        return False
+    line = ctx.failing_line
+    return line not in grad_off_lines(ctx.source) if line is not None else not disables_grad(ctx.source)
+
+
+def _autograd(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """Inference or evaluation with autograd on: graphs recorded that no backward pass will use."""
+    if not _autograd_wasted(ctx):
+        return None
+    # Only the models the cell runs: itself, or through a notebook function it calls.
+    used = names_read(ctx.source) | {lo.name for lo in ctx.leftovers if lo.in_use}
+    grad_models = [m for m in ctx.models if m.trainable_bytes and _top(m.name) in used]
+    graphs = sum(k.graphs for k in ctx.kept)
+    if not grad_models and not graphs:
+        return None
+    parts = []
+    if grad_models:
+        parts.append(
+            ", ".join(
+                f"{m.name} has {fmt(m.trainable_bytes)} of parameters that require grad" for m in grad_models
+            )
+        )
+    if graphs:
+        parts.append(f"{graphs} outputs kept by the cell carry their autograd graph")
+    line = ctx.failing_line
+    evidence = (
+        "Autograd was on where the error came"
+        + (f" (line {line} of the cell)" if line else "")
+        + ": "
+        + "; ".join(parts)
+        + ", and the cell runs no backward pass, so every forward pass kept the activations a backward "
+        "pass would need."
+    )
+    if fig.demand is not None:
+        evidence += f" The cell needed {fmt(fig.demand)} at its peak"
+        if fig.activations:
+            evidence += f", {fmt(fig.activations)} beyond the {fmt(fig.fixed)} of weights and earlier memory"
+        evidence += "."
+    saving = fig.activations
+    return _finding("autograd", "Autograd on in inference", evidence, [fix.no_grad(ctx, fig, saving)], fig)
+
+
+def _pinned(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """Device memory held outside the namespace's variables while the cell ran."""
+    pinned = sum(p.bytes for p in ctx.pins)
+    if not _matters(pinned, fig):
+        return None
+    shown = "; ".join(f"{fmt(p.bytes)} by {p.chain}" for p in ctx.pins[:6])
+    evidence = (
+        f"{fmt(pinned)} of device memory was held outside the namespace's variables when the cell ran: "
+        f"{shown}. No variable you can `del` holds it; `%gpumem --free` gives it back without a restart."
+    )
+    if any(p.holder.startswith("sys.last") for p in ctx.pins):
+        evidence += (
+            " An earlier error's traceback keeps the frames (and tensors) of the cell that failed: common "
+            "when a cell ran out of memory before `%%gpumem` was in use."
+        )
+    remedy = fix.free_pinned(fig, pinned, [p.holder for p in ctx.pins])
+    return _finding("pinned", "Memory pinned by earlier cells", evidence, [remedy], fig, saving=pinned)
+
+
 def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     tl = ctx.timeline
     done = tl.step_peaks()[1:-1]  # full steps: not the first (no Adam state), not the failing one
-    if len(done) < 2 or fig.demand is None or ctx.has_truncation:
+    if len(done) < 2 or fig.demand is None or ctx.has_truncation or ctx.evaluating:
         return None
     median = sorted(done)[len(done) // 2]
     if fig.demand < LONG_STEP * median:
@@ -422,9 +665,11 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
         return None
     evidence = (
         f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
-        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples."
+        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples. "
+        "`oommagic.lengths.plot_lengths(texts_or_token_ids)` draws the lengths with the cut-off and the "
+        "outliers marked; `summarize_lengths` says what truncating there saves."
     )
-    remedy = fix.truncate(ctx, fig, fig.demand - median)
+    remedy = fix.truncate(ctx, fig, fig.demand - median, outlier=True)
     return _finding("long_samples", "An unusually long batch", evidence, [remedy], fig)
 
 
@@ -474,12 +719,16 @@ def _limit(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Fin
 RULES: tuple[Rule, ...] = (
     _async_error,
     _too_large,
+    _weights,
     _fragmentation,
     _leftovers,
     _other_processes,
     _activations,
     _generation,
     _growth,
+    _kept,
+    _autograd,
+    _pinned,
     _long_samples,
     _reserved_churn,
     _limit,

@@ -97,7 +97,6 @@ class SourceText:
         return self.text[start:end]
 
 
-
 _TIMED = re.compile(r"^(\s*)(%(?:time|timeit|prun)\s+)(?=[^\s-])")
 
 
@@ -403,7 +402,8 @@ _NUMBER_CALLS = frozenset({"float", "int", "round", "len", "str", "bool"})
 @dataclass(frozen=True)
 class KeptSite:
     """A statement in a loop that keeps a value across iterations: ``line`` (1-based), the statement as
-    written and as it could be (keeping a number or a detached CPU copy), and the span of the value."""
+    written and as it could be (keeping a number or a detached CPU copy), the span of the value, and
+    ``holder``: the name of the list or total that keeps it (``outs`` in ``outs.append(v)``), if a name."""
 
     line: int
     was: str
@@ -411,6 +411,7 @@ class KeptSite:
     start: int
     end: int
     replacement: str
+    holder: str | None = None
 
 
 def kept_sites(source: str, most: int = 3) -> list[KeptSite]:
@@ -426,11 +427,14 @@ def kept_sites(source: str, most: int = 3) -> list[KeptSite]:
         if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
             continue
         for node in ast.walk(loop):
+            holder = None
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 one = node.func.attr == "append" and len(node.args) == 1 and not node.keywords
                 value = node.args[0] if one else None
+                holder = node.func.value.id if isinstance(node.func.value, ast.Name) else None
             elif isinstance(node, ast.AugAssign) and isinstance(node.op, ast.Add):
                 value = node.value
+                holder = node.target.id if isinstance(node.target, ast.Name) else None
                 if "loss" not in (src.segment(node) or ""):
                     value = None
             else:
@@ -445,7 +449,7 @@ def kept_sites(source: str, most: int = 3) -> list[KeptSite]:
             now = line[: start - line_start] + new + line[end - line_start :]
             found.setdefault(
                 (value.lineno, value.col_offset),
-                KeptSite(value.lineno, line.strip(), now.strip(), start, end, new),
+                KeptSite(value.lineno, line.strip(), now.strip(), start, end, new, holder),
             )
     return [found[k] for k in sorted(found)][:most]
 
@@ -464,3 +468,228 @@ def _detached(text: str) -> str:
     for tail in (".detach()", ".cpu()"):
         text = text.removesuffix(tail)
     return text + (".item()" if "loss" in text.lower() else ".detach().cpu()")
+
+
+# --- autograd, evaluation and loading ------------------------------------------------------------------
+
+_GRAD_OFF = frozenset({"no_grad", "inference_mode"})
+
+
+def _turns_grad_off(node: ast.expr) -> bool:
+    """``torch.no_grad()``, ``torch.inference_mode()``, ``torch.set_grad_enabled(False)`` (also bare)."""
+    if isinstance(node, ast.Call):
+        last = dotted_name(node.func).rsplit(".", 1)[-1]
+        if last in _GRAD_OFF:
+            return not (node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value is False)
+        if last == "set_grad_enabled":
+            return bool(node.args) and isinstance(node.args[0], ast.Constant) and node.args[0].value is False
+        return False
+    return dotted_name(node).rsplit(".", 1)[-1] in _GRAD_OFF
+
+
+def grad_off_lines(source: str) -> frozenset[int]:
+    """The lines of the cell that run with autograd off: inside ``with torch.no_grad():`` (or
+    ``inference_mode``, ``set_grad_enabled(False)``) blocks and functions decorated with them."""
+    tree = tree_of(source)
+    if tree is None:
+        return frozenset()
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        with_off = isinstance(node, (ast.With, ast.AsyncWith)) and any(
+            _turns_grad_off(i.context_expr) for i in node.items
+        )
+        def_off = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+            _turns_grad_off(d) for d in node.decorator_list
+        )
+        if not (with_off or def_off):
+            continue
+        body = node.body
+        lines.update(range(body[0].lineno, body[-1].end_lineno + 1))
+    return frozenset(lines)
+
+
+def disables_grad(source: str) -> bool:
+    """Whether the cell turns autograd off anywhere itself (``no_grad``, ``inference_mode``, ...)."""
+    tree = tree_of(source)
+    if tree is None:
+        return bool(re.search(r"\b(no_grad|inference_mode)\b|set_grad_enabled\(\s*False", source))
+    return bool(grad_off_lines(source)) or any(
+        isinstance(n, ast.Call)
+        and dotted_name(n.func).rsplit(".", 1)[-1] == "set_grad_enabled"
+        and _turns_grad_off(n)
+        for n in ast.walk(tree)
+    )
+
+
+def work_span(source: str, names: frozenset[str] | set[str] = frozenset()) -> tuple[int, int] | None:
+    """(first, last) line of the top-level statements that do the cell's work: those that read one of
+    ``names`` (the models), else every statement that is not an import, a definition or a plain
+    assignment of a literal. None when there is none."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+
+    def reads(stmt: ast.stmt) -> bool:
+        return any(isinstance(n, ast.Name) and n.id in names for n in ast.walk(stmt))
+
+    def works(stmt: ast.stmt) -> bool:
+        if isinstance(
+            stmt, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        ):
+            return False
+        if isinstance(stmt, ast.Pass):
+            return False
+        literal = (
+            isinstance(stmt.value, (ast.Constant, ast.List, ast.Dict)) if hasattr(stmt, "value") else False
+        )
+        return not (isinstance(stmt, (ast.Assign, ast.AnnAssign)) and literal)
+
+    chosen = [s for s in tree.body if reads(s)] if names else []
+    chosen = chosen or [s for s in tree.body if works(s)]
+    if not chosen:
+        return None
+    return chosen[0].lineno, chosen[-1].end_lineno
+
+
+_EVAL_KEYWORDS = ("per_device_eval_batch_size", "eval_batch_size")
+_EVAL_CALLS = frozenset({"evaluate", "predict", "validate", "test"})
+
+
+@dataclass(frozen=True)
+class EvalBatch:
+    """The batch size an evaluation uses: ``name`` (the keyword or variable), its ``value``, and
+    ``owner``: what it belongs to (the loader variable ``eval_loader``, or ``TrainingArguments``)."""
+
+    name: str
+    value: int
+    owner: str
+
+
+def evaluates(source: str) -> bool:
+    """Whether the cell evaluates without training: calls ``.evaluate()``/``.predict()``/``.validate()``/
+    ``.test()`` and no training call."""
+    called = [d.rsplit(".", 1)[-1] for d in called_names(source) if "." in d]
+    return any(c in _EVAL_CALLS for c in called) and not any(
+        c in ("train", "fit", "backward") for c in called
+    )
+
+
+def eval_batch(source: str, line: int | None = None) -> EvalBatch | None:
+    """The evaluation batch size the cell sets as a literal: HF's ``per_device_eval_batch_size=`` (or
+    ``eval_batch_size``), else the ``batch_size=`` literal of the ``DataLoader`` that the loop around
+    ``line`` iterates over. None where the cell does not set one."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    sites = binding_sites(tree)
+    for keyword in _EVAL_KEYWORDS:
+        for site in sites:
+            value = int_literal(site.value)
+            if site.name == keyword and value and site.call is not None:
+                return EvalBatch(keyword, value, dotted_name(site.call.func).rsplit(".", 1)[-1])
+    if line is None:
+        return None
+    loops = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.For, ast.AsyncFor)) and n.lineno <= line <= n.end_lineno
+    ]
+    for loop in sorted(loops, key=lambda n: -n.lineno):  # innermost first
+        found = _loader_batch(tree, loop.iter)
+        if found is not None:
+            return found
+    return None
+
+
+def _loader_batch(tree: ast.Module, it: ast.expr) -> EvalBatch | None:
+    """The literal ``batch_size=`` of the loader ``it`` (a ``DataLoader(...)`` call, or a name assigned
+    one; through ``enumerate``/``tqdm`` wrappers)."""
+    while isinstance(it, ast.Call) and dotted_name(it.func).rsplit(".", 1)[-1] in (
+        "enumerate",
+        "tqdm",
+        "iter",
+    ):
+        if not it.args:
+            return None
+        it = it.args[0]
+    owner = "DataLoader"
+    if isinstance(it, ast.Name):
+        owner = it.id
+        bound = [
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == it.id for t in n.targets)
+        ]
+        it = bound[-1] if bound else it
+    if not isinstance(it, ast.Call):
+        return None
+    for kw in it.keywords:
+        value = int_literal(kw.value) if kw.arg == "batch_size" else None
+        if value:
+            return EvalBatch("batch_size", value, owner)
+    return None
+
+
+def eval_batch_literal(source: str, batch: EvalBatch) -> ast.expr | None:
+    """The literal node of ``batch`` in ``source`` (the same keyword of the same owner, same value)."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    if batch.name in _EVAL_KEYWORDS:
+        for site in binding_sites(tree):
+            if site.name == batch.name and site.call is not None and int_literal(site.value) == batch.value:
+                return site.value
+        return None
+    for node in ast.walk(tree):
+        call = None
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == batch.owner for t in node.targets
+        ):
+            call = node.value
+        elif isinstance(node, (ast.For, ast.AsyncFor)) and batch.owner == "DataLoader":
+            call = node.iter
+        if isinstance(call, ast.Call):
+            for kw in call.keywords:
+                if kw.arg == batch.name and int_literal(kw.value) == batch.value:
+                    return kw.value
+    return None
+
+
+_LOADERS = frozenset({"from_pretrained", "load_state_dict", "load", "cuda", "to"})
+
+
+@dataclass(frozen=True)
+class LoadCall:
+    """A call in the cell that loads weights: ``func`` as written (``AutoModel.from_pretrained``), its
+    first argument's text (the model id or path, or a name holding it), and its line."""
+
+    func: str
+    what: str
+    line: int
+
+
+def load_calls(source: str) -> list[LoadCall]:
+    """The ``from_pretrained(...)`` calls of the cell, in source order."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    src = SourceText(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and dotted_name(node.func).rsplit(".", 1)[-1] == "from_pretrained":
+            what = src.segment(node.args[0]) if node.args else ""
+            found.append(LoadCall(dotted_name(node.func), what, node.lineno))
+    return sorted(found, key=lambda c: c.line)
+
+
+def string_value(text: str, namespace_strings: dict[str, str]) -> str | None:
+    """The string a call argument's text stands for: a literal, or a name holding a str."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError):
+        return None
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Name):
+        return namespace_strings.get(node.id)
+    return None

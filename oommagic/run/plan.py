@@ -271,6 +271,8 @@ def _first_probe(fig: Any, old: int) -> int:
 
 
 def _freed(remedy: Remedy, run: CellRun) -> int:
+    if remedy.kind == "free_pinned":
+        return remedy.saving or 0
     if remedy.kind != "free_leftovers" or run.context is None:
         return 0
     names = set(remedy.params.get("names", []))

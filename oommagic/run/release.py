@@ -107,7 +107,11 @@ def drop_bound_by_cell(namespace: dict, ids_before: dict[str, int], device: str)
     where = torch.device(device)
     dropped = []
     for name, value in list(namespace.items()):
-        if ids_before.get(name) == id(value) or IPYTHON_NAME.fullmatch(name) or isinstance(value, SKIPPED_TYPES):
+        if (
+            ids_before.get(name) == id(value)
+            or IPYTHON_NAME.fullmatch(name)
+            or isinstance(value, SKIPPED_TYPES)
+        ):
             continue
         with contextlib.suppress(Exception):
             _, storages = held_by(name, value, where)
@@ -132,3 +136,87 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+def free_pinned(shell: Any, device: str, measure: Callable[[], int] | None = None) -> int:
+    """Give back what pins memory outside the namespace's variables (``diagnosis.pins``): clear the frames
+    of earlier errors (``sys.last_*``, the last execution result, exceptions and tracebacks kept in
+    variables: the variables stay, their frames' locals go), drop output-history entries and ``_``,
+    ``__``, ``___`` that hold device memory, and close suspended generators that do. Closures are left:
+    only the person can drop them. Returns the bytes given back (before minus after, never negative)."""
+    import types
+
+    import torch
+
+    from ..diagnosis.context import IPYTHON_NAME, held_by, instance_dict
+
+    where = torch.device(device)
+    measure = measure or (lambda: allocated_on(device))
+    before = measure()
+
+    def holds(value: Any) -> bool:
+        if value is None or isinstance(value, str):
+            return False
+        try:
+            return bool(held_by("", value, where)[1])
+        except Exception:
+            return False
+
+    for attr in ("last_exc", "last_value"):
+        exc = getattr(sys, attr, None)
+        if isinstance(exc, BaseException):
+            clear_exception(exc)
+    clear_traceback(getattr(sys, "last_traceback", None))
+    for attr in ("last_exc", "last_value", "last_type", "last_traceback"):
+        if getattr(sys, attr, None) is not None:
+            setattr(sys, attr, None)
+    result = getattr(shell, "last_execution_result", None)
+    if result is not None and result.error_in_exec is not None:
+        clear_exception(result.error_in_exec)
+        result.error_in_exec = None
+    ns = shell.user_ns
+    out = ns.get("Out")
+    if isinstance(out, dict):
+        for key in [k for k, v in out.items() if holds(v)]:
+            del out[key]
+            ns.pop(f"_{key}", None)
+    # IPython keeps the last outputs three times: in the namespace, in the hidden namespace (`push` with
+    # interactive=False) and as attributes of its display hook.
+    hidden = getattr(shell, "user_ns_hidden", {})
+    hook = getattr(shell, "displayhook", None)
+    for name in ("_", "__", "___"):
+        if name in ns and holds(ns[name]):
+            ns[name] = ""
+        if name in hidden and holds(hidden[name]):
+            hidden[name] = ""
+        if hook is not None and holds(instance_dict(hook).get(name)):
+            setattr(hook, name, "")
+    for name in [k for k, v in hidden.items() if IPYTHON_NAME.fullmatch(k) and k[1:].isdigit() and holds(v)]:
+        del hidden[name]
+    for name, value in list(ns.items()):
+        if IPYTHON_NAME.fullmatch(name):
+            continue
+        if isinstance(value, BaseException):
+            clear_exception(value)
+        elif isinstance(value, types.TracebackType):
+            clear_traceback(value)
+        elif (
+            isinstance(value, types.GeneratorType)
+            and value.gi_frame is not None
+            and holds(dict(value.gi_frame.f_locals))
+        ):
+            value.close()
+    collect(device)
+    return max(0, before - measure())
+
+
+def allocated_on(device: str) -> int:
+    """Bytes allocated on ``device`` now: CUDA's allocator where CUDA is up, the CPU ledger on "cpu"."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    if device.startswith("cuda"):
+        return torch.cuda.memory_allocated(device) if torch.cuda.is_initialized() else 0
+    from .capture import LEDGER
+
+    return LEDGER.allocated

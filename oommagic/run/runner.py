@@ -116,6 +116,9 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
     recorder = open_recorder(options.device, limit, timeline=options.timeline, stacks=options.stacks)
     catch = _Catch(shell)
     ids_before = {name: id(value) for name, value in shell.user_ns.items()}
+    # Read before the cell runs: an error in it replaces `sys.last_value`, which lets an earlier error's
+    # frames go, but they held their memory while this cell ran.
+    pins = _pins(shell, recorder.device) if scan else ()
     attempt = Attempt(recording=Recording(device=recorder.device), started=time.time())
     held_at_failure = None
     interrupted = False
@@ -144,7 +147,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
             attempt.report = _report(exc, recorder.exact)
             if scan:
                 _what_filled(recorder, [shell.user_ns, *frames_of(exc.__traceback__)])
-                attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec)
+                attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, exc, pins)
             if not options.keep:
                 attempt.dropped = drop_bound_by_cell(shell.user_ns, ids_before, recorder.device)
             # A trial (no scan) is collected once by its caller, after the user's state is put back.
@@ -227,9 +230,20 @@ def _what_filled(recorder: Any, spaces: list, timeline: Any = None) -> Breakdown
         return None
 
 
-def _scan(scan_namespace: Any, namespace: dict, device: str, spec: RunSpec) -> NamespaceScan | None:
+def _pins(shell: Any, device: str) -> tuple:
+    from ..diagnosis.pins import find_pins
+
     try:
-        return scan_namespace(namespace, device, spec.source, tuple(r.kind for r in spec.applied))
+        return find_pins(shell, device)
+    except Exception:  # a diagnosis bug must not stop the run
+        return ()
+
+
+def _scan(
+    scan_namespace: Any, namespace: dict, device: str, spec: RunSpec, exc: BaseException, pins: tuple
+) -> NamespaceScan | None:
+    try:
+        return scan_namespace(namespace, device, spec.source, tuple(r.kind for r in spec.applied), exc, pins)
     except Exception as err:  # a diagnosis bug must not hide the report itself
         print(f"%%gpumem: reading the namespace failed ({type(err).__name__}: {err}); the figures stand")
         return None

@@ -70,6 +70,10 @@ class Session:
                 from .release import free_names
 
                 free_names(self.shell.user_ns, remedy.params.get("names", []), measure=lambda: 0)
+            elif remedy.kind == "free_pinned":
+                from .release import free_pinned
+
+                free_pinned(self.shell, run.device)
         return self.run(spec_with(run, fixes))
 
     def remove(self, run: CellRun, index: int) -> CellRun:

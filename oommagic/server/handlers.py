@@ -110,6 +110,17 @@ def setup_handlers(server_app: Any) -> None:
     """Add the routes under the server's ``base_url`` (``/user/alice/`` on JupyterHub)."""
     web_app = server_app.web_app
     base_url = web_app.settings["base_url"]
+    from .kernels import KernelsHandler, ShutdownHandler
+
     devices = OOMMagicDeviceCache(parent=server_app)
     route = url_path_join(base_url, "oommagic", "devices")
-    web_app.add_handlers(".*$", [(route, DevicesHandler, {"devices": devices})])
+    kernels = url_path_join(base_url, "oommagic", "kernels")
+    shutdown = url_path_join(base_url, "oommagic", "kernels", "shutdown")
+    web_app.add_handlers(
+        ".*$",
+        [
+            (route, DevicesHandler, {"devices": devices}),
+            (kernels, KernelsHandler),
+            (shutdown, ShutdownHandler),
+        ],
+    )

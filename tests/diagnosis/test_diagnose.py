@@ -145,8 +145,38 @@ def test_other_processes_say_when_no_other_gpu_has_room():
         capacity=CARD_24, processes=((777, "jupyter-kernel", 12 * GiB),), other_gpus=((1, 8 * GiB),)
     )
     other = finding(diagnose(report, ctx), "other_processes")
-    assert other.remedies == ()
+    assert [r.kind for r in other.remedies] == ["shutdown_kernel"]
     assert "No other GPU has room for the 14.00 GiB" in other.evidence and "8.00 GiB free" in other.evidence
+
+
+def test_other_processes_are_named_with_user_and_command_and_offered_to_stop_after_asking():
+    report = _report(requested=4 * GiB, capacity=CARD_24, free=0, allocated=10 * GiB, reserved=10 * GiB)
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        processes=((777, "python", 12 * GiB), (778, "python", GiB)),
+        owners=((777, "ada", "python -m ipykernel_launcher -f kernel-1.json"), (778, None, None)),
+    )
+    other = finding(diagnose(report, ctx), "other_processes")
+    assert (
+        "PID 777 (user ada, `python -m ipykernel_launcher -f kernel-1.json`) holds 12.00 GiB"
+        in other.evidence
+    )
+    assert "PID 778 (python) holds 1.00 GiB" in other.evidence
+    stop = remedy(other, "shutdown_kernel")
+    assert stop.params["pid"] == 777 and stop.title == "Shut down PID 777 (12.00 GiB)"
+    # Never stopped from the kernel: the sidebar asks and calls the server's route.
+    assert not any(r.automatic for r in other.remedies if r.kind == "shutdown_kernel")
+
+
+def test_the_owner_of_this_process_is_read_from_proc():
+    import getpass
+    import os
+
+    from oommagic.diagnosis.context import process_owner
+
+    user, command = process_owner(os.getpid())
+    assert user == getpass.getuser() and "python" in command
+    assert process_owner(2**22 + 12345) == (None, None)
 
 
 def test_other_processes_quiet_when_the_card_is_ours():
@@ -201,18 +231,34 @@ def test_memory_held_by_nothing_in_the_namespace_is_said_plainly():
 # --- too large ------------------------------------------------------------------------------------------
 
 
-def test_a_7b_model_in_float32_is_too_large_for_24_gib():
-    model = ModelInfo("model", 28_000_000_000, "float32", is_hf=True)
+def test_a_14b_model_in_float32_is_too_large_for_24_gib():
+    model = ModelInfo("model", 56_000_000_000, "float32", is_hf=True)
     ctx = DiagnosisContext(capacity=CARD_24, models=(model,), generation=True)
     found = diagnose(plain_24(requested=GiB // 2), ctx)
     big = found[0]
-    assert big.key == "too_large"
-    assert "26.08 GiB of float32 weights" in big.evidence and "24.00 GiB card" in big.evidence
+    assert big.key == "too_large" and "weights" not in keys(found)
+    assert "52.15 GiB of float32 weights" in big.evidence and "24.00 GiB card" in big.evidence
     kinds = [r.kind for r in big.remedies]
     assert kinds.count("quantize") == 2 and "offload" in kinds
     bf16 = next(r for r in big.remedies if r.title == "bfloat16 weights")
-    assert bf16.saving == 14_000_000_000 and "torch_dtype=torch.bfloat16" in bf16.code
+    assert bf16.saving == 28_000_000_000 and "torch_dtype=torch.bfloat16" in bf16.code
     assert not any(r.automatic for r in big.remedies)
+
+
+def test_a_7b_model_in_float32_whose_bfloat16_weights_fit_gets_a_bfloat16_button():
+    model = ModelInfo("model", 28_000_000_000, "float32", is_hf=True)
+    ctx = DiagnosisContext(
+        capacity=CARD_24, models=(model,), generation=True, source="out = model.generate(ids)\n"
+    )
+    found = diagnose(plain_24(requested=GiB // 2), ctx)
+    assert "too_large" not in keys(found)
+    weights = finding(found, "weights")
+    assert "model holds 26.08 GiB of float32 weights on the device: 109% of the 24.00 GiB card" in (
+        weights.evidence
+    )
+    bf16 = next(r for r in weights.remedies if r.params.get("dtype") == "bfloat16")
+    assert bf16.automatic and bf16.saving == 14_000_000_000
+    assert bf16.new_source == "import torch\nmodel.to(torch.bfloat16)\nout = model.generate(ids)\n"
 
 
 def test_training_counts_gradients_and_adam_state():
@@ -262,7 +308,12 @@ def test_training_batch_halved_with_accumulation_keeping_the_effective_batch():
     batch = remedy(act, "batch")
     assert batch.title == "Batch 64 → 32, accumulate 2 steps"
     assert batch.params == {
-        "name": "batch_size", "old": 64, "new": 32, "accumulate": 2, "where": "source", "keeps_effective": True
+        "name": "batch_size",
+        "old": 64,
+        "new": 32,
+        "accumulate": 2,
+        "where": "source",
+        "keeps_effective": True,
     }
     # The loop itself gets the accumulation: the loss divided, the optimizer stepped every 2 micro-batches.
     assert batch.automatic and batch.new_source == LOOP.replace("batch_size = 64", "batch_size = 32").replace(
@@ -514,10 +565,14 @@ def test_memory_kept_every_step_is_a_leak_not_a_long_batch():
     assert found[0].key == "growth"
 
 
-def test_memory_kept_every_step_comes_with_snippets_not_buttons():
+def test_memory_kept_every_step_comes_with_a_button_that_rewrites_the_keeping_lines():
     growth = finding(diagnose(plain_24(), training_ctx(source=LEAKY_LOOP, timeline=leak())), "growth")
-    assert not any(r.automatic or r.new_source for r in growth.remedies)
     keep = remedy(growth, "keep_numbers")
+    assert keep.automatic
+    assert keep.new_source == LEAKY_LOOP.replace("losses.append(loss)", "losses.append(loss.item())").replace(
+        "preds.append(out.logits)", "preds.append(out.logits.detach().cpu())"
+    )
+    assert keep.title == "Keep `loss.item()`, `out.logits.detach().cpu()` across iterations"
     assert keep.saving == 23 * 512 * MiB
     assert "covers the 1.50 GiB the failed request lacked" in keep.explanation
     assert "line 8, `losses.append(loss)`" in keep.explanation
@@ -695,3 +750,93 @@ def test_findings_round_trip_through_json():
     for f in found:
         data = json.loads(json.dumps(f.to_json()))
         assert Finding.from_json(data) == f
+
+
+# --- one request larger than the budget ------------------------------------------------------------------
+
+EVAL_LOGITS = """\
+loader = DataLoader(ds, batch_size=64)
+with torch.no_grad():
+    for batch in loader:
+        logits = model(**batch).logits
+"""
+
+
+def test_one_request_names_its_line_the_logits_and_shrinks_the_evaluation_batch():
+    from oommagic.diagnosis.findings import Frame
+    from oommagic.diagnosis.source import EvalBatch
+
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        source=EVAL_LOGITS,
+        evaluating=True,
+        eval_batch=EvalBatch("batch_size", 64, "loader"),
+        batch=BatchGuess("batch_size", 8),
+        frames=(
+            Frame("<module>", 4, True),
+            Frame("_wrapped_call_impl", 1, False),
+            Frame("forward", 9, False),
+        ),
+    )
+    big = finding(diagnose(plain_24(requested=30 * GiB, allocated=GiB), ctx), "too_large")
+    assert (
+        "One request of 30.00 GiB is larger than the whole 24.00 GiB card (line 4 of the cell, in forward())"
+        in (big.evidence)
+    )
+    assert "batch × sequence × vocabulary" in big.evidence and "logits_to_keep=1" in big.evidence
+    shrink = remedy(big, "eval_batch")
+    assert shrink.new_source == EVAL_LOGITS.replace("batch_size=64", "batch_size=32")
+    assert "batch" not in [r.kind for r in big.remedies]
+
+
+def test_one_request_in_training_without_logits_offers_the_training_batch():
+    ctx = DiagnosisContext(capacity=CARD_24, source=LOOP, trains=True, batch=BatchGuess("batch_size", 64))
+    big = finding(diagnose(plain_24(requested=30 * GiB, allocated=GiB), ctx), "too_large")
+    assert "shrink what makes it (batch, sequence length)" in big.evidence
+    assert remedy(big, "batch").params["new"] < 64
+
+
+def test_evaluation_by_hf_trainer_changes_per_device_eval_batch_size():
+    from oommagic.diagnosis.findings import Frame
+    from oommagic.diagnosis.source import eval_batch
+
+    cell = (
+        "args = TrainingArguments('out', per_device_train_batch_size=16, per_device_eval_batch_size=64)\n"
+        "trainer = Trainer(model=model, args=args, eval_dataset=ds)\n"
+        "trainer.evaluate()\n"
+    )
+    found = eval_batch(cell)
+    ctx = DiagnosisContext(
+        capacity=CARD_24,
+        source=cell,
+        trains=True,
+        evaluating=True,
+        eval_batch=found,
+        batch=BatchGuess("per_device_train_batch_size", 16),
+        frames=(Frame("<module>", 3, True), Frame("evaluate", 1), Frame("evaluation_loop", 2)),
+        timeline=Timeline(t=(0.0, 1.0), allocated=(GiB, 20 * GiB), reserved=(GiB, 21 * GiB)),
+    )
+    act = finding(diagnose(plain_24(), ctx), "activations")
+    kinds = [r.kind for r in act.remedies]
+    assert "batch" not in kinds
+    fix = remedy(act, "eval_batch")
+    assert fix.new_source == cell.replace("per_device_eval_batch_size=64", "per_device_eval_batch_size=32")
+    assert "eval_accumulation_steps" in fix.explanation
+
+
+def test_pinned_memory_is_a_finding_only_when_it_matters():
+    from oommagic.diagnosis.findings import Pin
+
+    held = (
+        Pin(
+            "sys.last_value", "sys.last_value (OutOfMemoryError) → traceback → train() → local 'x'", 20 * GiB
+        ),
+    )
+    found = finding(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, pins=held)), "pinned")
+    assert (
+        "20.00 GiB by sys.last_value (OutOfMemoryError) → traceback → train() → local 'x'" in found.evidence
+    )
+    assert "before `%%gpumem` was in use" in found.evidence
+    assert remedy(found, "free_pinned").automatic
+    small = (Pin("_", "_ (IPython's last outputs)", MiB),)
+    assert "pinned" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, pins=small)))

