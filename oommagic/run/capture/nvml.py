@@ -56,7 +56,12 @@ def device_memory(handle: Any) -> DeviceMemory | None:
     try:
         import pynvml
 
-        used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+        try:
+            # v2 keeps what the driver and firmware reserve (~0.5 GiB on an H100) out of `used`: no process
+            # holds it, so the processes' figures sum to v2's used, not v1's.
+            used = int(pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2).used)
+        except Exception:
+            used = int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
         me, others = None, 0
         with contextlib.suppress(Exception):
             for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
