@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .diagnosis.findings import DiagnosisContext, Finding, Remedy
+from .diagnosis.ranks import Ranks
 from .oom import OOMReport
 from .options import Options
 from .sizes import format_bytes
@@ -49,6 +50,7 @@ class CellRun:
     wall_s: float = 0.0
     parent: str | None = None
     original: str | None = None
+    ranks: Ranks | None = None  # per-rank figures when the cell started torch.distributed ranks
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     # Thin readers over the recording: one source of truth for every figure.
@@ -153,6 +155,7 @@ class CellRun:
             "findings": [f.to_json() for f in self.findings],
             "plan": self.plan.to_json() if self.plan is not None else None,
             "change": self.change,
+            "ranks": self.ranks.to_json() if self.ranks is not None else None,
         }
 
     def to_json_str(self) -> str:

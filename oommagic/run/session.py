@@ -44,7 +44,9 @@ class Session:
         attempt = execute(self.shell, spec)
         run = self._build(spec, attempt)
         if run.outcome == "oom" and run.findings:
-            run = replace(run, plan=self._plan(run))
+            # A trial would start every rank again, outside the recorded run: distributed cells get the
+            # findings' fixes, not measured.
+            run = replace(run, plan=self._plan(run) if run.ranks is None else _unmeasured(run, "distributed"))
         self._record(run, attempt)
         if run.outcome == "interrupted":
             raise KeyboardInterrupt
@@ -136,6 +138,10 @@ class Session:
                     dropped=[name for name, _ in attempt.dropped],
                 )
                 findings = tuple(diagnose(attempt.report, context))
+                if attempt.ranks is not None:
+                    from ..diagnosis.ranks import rank_findings
+
+                    findings = rank_findings(attempt.ranks, spec.source, context.batch) + findings
             except Exception as err:  # a diagnosis bug must not hide the report itself
                 print(f"%%gpumem: the diagnosis failed ({type(err).__name__}: {err}); the figures stand")
         return CellRun(
@@ -156,6 +162,7 @@ class Session:
             wall_s=attempt.wall_s,
             parent=spec.parent,
             original=spec.original,
+            ranks=attempt.ranks,
         )
 
     def _plan(self, run: CellRun) -> Any:
@@ -207,6 +214,12 @@ def spec_with(run: CellRun, fixes: tuple[Remedy, ...]) -> RunSpec:
     for i, remedy in enumerate(fixes):
         source = remedy.new_source if i == 0 and remedy.new_source else reapply(source, remedy, helpers)
     return replace(spec_of(run), source=source, applied=(*run.applied, *fixes))
+
+
+def _unmeasured(run: CellRun, why: str) -> Any:
+    from .plan import unmeasured_plan
+
+    return unmeasured_plan(run, why)
 
 
 def _print_progress(line: str) -> None:

@@ -48,6 +48,17 @@ def figures(run: CellRun) -> list[tuple[str, str]]:
     return rows
 
 
+def rank_lines(run: CellRun) -> list[str]:
+    """The per-rank table of a distributed cell, with who failed first and the bottleneck above it."""
+    if run.ranks is None:
+        return []
+    rows = run.ranks.rows()
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    lines = [f"ranks: {s}" for s in run.ranks.summary()]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return lines
+
+
 def render_text(run: CellRun, findings: int = 5) -> str:
     """The report as plain text: headline, figures, top findings with their remedies."""
     status = {"ok": "ok", "oom": "OUT OF MEMORY", "error": "error", "interrupted": "interrupted"}[run.outcome]
@@ -60,6 +71,7 @@ def render_text(run: CellRun, findings: int = 5) -> str:
         if plan.unfittable:
             lines.append(f"  {plan.unfittable}")
         lines += [f"  {i}. {e.title}: {e.line()}" for i, e in enumerate(plan.entries, 1)]
+    lines += rank_lines(run)
     width = max(len(label) for label, _ in figures(run))
     lines += [f"  {label:<{width}}  {value}" for label, value in figures(run)]
     for f in run.findings[:findings]:

@@ -83,6 +83,24 @@ def figures_html(run: CellRun) -> str:
     )
 
 
+def ranks_html(run: CellRun) -> str:
+    """The per-rank table of a distributed cell (empty for a single process)."""
+    if run.ranks is None:
+        return ""
+    header, *rows = run.ranks.rows()
+    failed = run.ranks.failed_first
+    cell = "padding:0.1em 1em 0.1em 0"
+    head = "".join(f"<th style='{cell};text-align:left'>{_esc(h)}</th>" for h in header)
+    body = "".join(
+        f"<tr style='color:{'#c0392b' if failed is not None and row[0] == str(failed.rank) else 'inherit'}'>"
+        + "".join(f"<td style='{cell}'>{_esc(c)}</td>" for c in row)
+        + "</tr>"
+        for row in rows
+    )
+    summary = "".join(f"<div>{_esc(line)}</div>" for line in run.ranks.summary())
+    return f"<div class='oommagic-ranks'>{summary}<table>{head and f'<tr>{head}</tr>'}{body}</table></div>"
+
+
 def plan_html(run: CellRun) -> str:
     plan = run.plan
     if plan is None or not plan.entries:
@@ -178,7 +196,7 @@ class ReportWidget:
         w = self._w
         self.headline.value = headline_html(run)
         self.plan.value = plan_html(run) if run.outcome == "oom" else ""
-        self.table.value = figures_html(run)
+        self.table.value = ranks_html(run) + figures_html(run)
         self.plot.value = timeline_png(run) if run.timeline.t else b""
         self.findings.value = "".join(
             f"<div class='oommagic-finding' style='margin-top:0.5em'>{finding_html(f)}</div>"
