@@ -106,47 +106,73 @@ def test_one_rank_out_of_memory_stops_the_others(run_cell, rank_module, world):
     assert data["failed_first"] == overrun and len(data["ranks"]) == world
 
 
-def test_ranks_that_fit_are_recorded(run_cell, rank_module):
+FORKED = """
+import os, torch, torch.distributed as dist, torch.multiprocessing as mp
+def work(rank, port, overrun_rank):
+    torch.set_num_threads(1)  # a forked child hangs in libgomp's barrier if it reuses the kernel's pool
+    if port is None:  # started by a launcher that set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.Adam(model.parameters())
+    for step in range(3):
+        model(torch.randn(16, 256)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        optimizer.step()
+        if rank == overrun_rank:
+            torch.empty(80 * 1024 * 1024, dtype=torch.uint8)
+    dist.destroy_process_group()
+"""
+
+
+def test_ranks_that_fit_are_recorded(run_cell):
     result, out = run_cell(
-        f"%%gpumem --limit 64MiB --device cpu --text\n"
-        f"import torch.multiprocessing as mp\nimport {rank_module}\n"
-        f"mp.spawn({rank_module}.train, args=(2, {free_port()}, -1, 3), nprocs=2)"
+        "%%gpumem --limit 64MiB --device cpu --text\n"
+        + FORKED
+        + f"mp.start_processes(work, args=({free_port()}, -1), nprocs=2, start_method='fork')"
     )
     run = last_run()
     assert run.outcome == "ok", out
     assert [r.status for r in run.ranks.results] == ["ok", "ok"]
-    # Adam's two moments exist after the first step: weights, gradients and moments of a 256x256 layer.
+    # Weights, gradients and Adam's two moments of a 256x256 layer, on each rank.
     assert all(r.peak_allocated >= 4 * 256 * 257 * 4 for r in run.ranks.results)
     assert run.ranks.failed_first is None and "rank  device  PID" in out
 
 
 def test_forked_ranks_defined_in_the_cell(run_cell):
-    # fork, as accelerate.notebook_launcher starts ranks: the function is defined in the cell, and each
-    # rank drops the kernel's own tracker it inherited.
+    # fork, as accelerate.notebook_launcher starts ranks: the function is defined in the cell (fork needs
+    # no import), and each rank drops the tracker it inherited from the kernel.
     result, out = run_cell(
         "%%gpumem --limit 64MiB --device cpu --text\n"
-        + textwrap.dedent(
-            f"""
-            import torch, torch.distributed as dist, torch.multiprocessing as mp
-            kernel_tensor = torch.zeros(8 * 1024 * 1024, dtype=torch.uint8)
-            def work(rank):
-                dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=rank,
-                                        world_size=2)
-                x = torch.ones(1024)
-                dist.all_reduce(x)
-                if rank == 0:
-                    torch.empty(80 * 1024 * 1024, dtype=torch.uint8)
-                dist.all_reduce(x)
-            mp.start_processes(work, nprocs=2, start_method="fork")
-            """
-        )
+        "kernel_tensor = torch.empty(8 * 1024 * 1024, dtype=torch.uint8)\n"
+        + FORKED
+        + f"mp.start_processes(work, args=({free_port()}, 0), nprocs=2, start_method='fork')"
     )
     run = last_run()
     assert run.outcome == "oom", out
     first = run.ranks.failed_first
     assert first.rank == 0 and first.requested == 80 * MiB
+    assert run.ranks.results[1].status == "stopped"
     # The 8 MiB the kernel held before the fork is not counted in the ranks.
     assert all(r.peak_allocated < 8 * MiB for r in run.ranks.results)
+    assert not any(alive(r.pid) for r in run.ranks.results)
+
+
+def test_notebook_launcher(run_cell):
+    pytest.importorskip("accelerate")
+    result, out = run_cell(
+        "%%gpumem --limit 64MiB --device cpu --text\n"
+        "from accelerate import notebook_launcher\n"
+        + FORKED
+        + "def launched(overrun_rank):\n    work(int(os.environ['RANK']), None, overrun_rank)\n"
+        + f"notebook_launcher(launched, args=(1,), num_processes=2, use_port='{free_port()}')"
+    )
+    run = last_run()
+    assert run.outcome == "oom", out
+    assert run.ranks.failed_first.rank == 1 and run.ranks.failed_first.requested == 80 * MiB
+    assert [r.status for r in run.ranks.results] == ["stopped", "oom"]
     assert not any(alive(r.pid) for r in run.ranks.results)
 
 
