@@ -141,7 +141,7 @@ class GpuMemMagics(Magics):
                 raise UsageError(
                     f"%gpumem takes no options (got {line.strip()!r}); %%gpumem is the cell magic"
                 )
-            print(device_status())
+            print(device_status(self._rank_pids()))
             return None
         try:
             options = Options.from_args(parse_argstring(self.gpumem, line))
@@ -170,6 +170,13 @@ class GpuMemMagics(Magics):
         for w in caught:
             print(f"%%gpumem: {w.message}")
         return self._finish(session, run)
+
+    def _rank_pids(self) -> dict[int, int]:
+        """PID → rank of every rank a ``%%gpumem`` cell of this shell started."""
+        from .run.session import session_for
+
+        runs = session_for(self.shell).history
+        return {pid: rank for run in runs if run.ranks for pid, rank in run.ranks.pids().items()}
 
     def _session(self) -> Any:
         from .run.session import session_for
@@ -203,8 +210,9 @@ class GpuMemMagics(Magics):
         return None
 
 
-def device_status() -> str:
-    """Text table of the visible GPUs (NVML) with this process's torch figures where CUDA is up."""
+def device_status(ranks: dict[int, int] | None = None) -> str:
+    """Text table of the visible GPUs (NVML) with this process's torch figures where CUDA is up, and the
+    processes ``ranks`` (PID → rank) names marked with their rank."""
     from .devices import read_devices, render_devices_text
 
     mine: dict[int, tuple[int, int]] = {}
@@ -216,4 +224,4 @@ def device_status() -> str:
                 mine[i] = (torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
     except ImportError:
         pass
-    return render_devices_text(read_devices(), this_process=mine)
+    return render_devices_text(read_devices(), this_process=mine, ranks=ranks)

@@ -22,7 +22,7 @@ STATE_BULK = 0.5
 # that merely opened the device (a few MiB), which are not worth a warning.
 STRAY_MIN = 64 * 1024**2
 
-STATUSES = ("ok", "oom", "error", "stopped", "lost")
+STATUSES = ("ok", "oom", "error", "stopped", "lost", "running")
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,10 @@ class RankResult:
 
     ``status``: ``ok``; ``oom`` (it ran out: ``requested`` and ``message`` say what it asked for);
     ``error`` (another exception); ``stopped`` (stopped by oommagic because rank ``stopped_by`` failed);
-    ``lost`` (it started but wrote no report: killed from outside). ``outside`` is the memory the process
-    held on its GPU beyond PyTorch's reserved bytes (NVML used − reserved: CUDA context, NCCL buffers);
+    ``lost`` (it started but wrote no report: killed); ``running`` (still working when the cell ended,
+    started with ``join=False``); ``left_running`` marks a rank oommagic killed after a failure.
+    ``outside`` is the memory the process held on its GPU beyond PyTorch's reserved bytes (NVML used −
+    reserved: CUDA context, NCCL buffers);
     ``contexts`` the ``(cuda index, bytes)`` NVML lists for this PID on every GPU. ``state`` is the bytes of
     the weights, gradients and optimizer state the rank's frames held, where they could be read.
     """
@@ -208,6 +210,10 @@ class Ranks:
             )
         return rows
 
+    def pids(self) -> dict[int, int]:
+        """PID → rank, for ``%gpumem``'s process list."""
+        return {r.pid: r.rank for r in self.results}
+
     def to_json(self) -> dict:
         first, neck = self.failed_first, self.bottleneck
         return {
@@ -227,6 +233,8 @@ def _status(r: RankResult) -> str:
         return f"stopped (rank {r.stopped_by} failed)" if r.stopped_by is not None else "stopped"
     if r.status == "lost":
         return "no report (killed)"
+    if r.status == "running":
+        return "still running"
     return r.status
 
 
@@ -248,8 +256,8 @@ for block in model.{blocks}:  # each transformer block (or layer) on its own
     fully_shard(block)
 fully_shard(model)  # replaces DistributedDataParallel: weights, gradients, optimizer state sharded"""
 
-_ZERO_ACCELERATE = """# accelerate config (or Accelerator(deepspeed_plugin=...)): ZeRO stage 2 shards gradients and
-# optimizer state, stage 3 the weights too
+_ZERO_ACCELERATE = """# `accelerate config` (DeepSpeed) or in code: ZeRO stage 2 shards gradients and
+# optimizer state across ranks, stage 3 the weights too
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
 accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2))
@@ -261,7 +269,8 @@ for block in self.blocks:
     x = checkpoint(block, x, use_reentrant=False)"""
 
 _DDP_CALL = re.compile(
-    r"^(?P<indent>[ \t]*)(?P<target>\w+)\s*=\s*(?:[\w.]*\.)?(?:DistributedDataParallel|DDP)\((?P<arg>\w+)[^\n]*\)[ \t]*$",
+    r"^(?P<indent>[ \t]*)(?P<target>\w+)\s*=\s*(?:[\w.]*\.)?(?:DistributedDataParallel|DDP)"
+    r"\((?P<arg>\w+)[^\n]*\)[ \t]*$",
     re.M,
 )
 

@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from ..diagnosis.ranks import RankResult, Ranks
@@ -388,11 +389,13 @@ def _message(exc: BaseException) -> str:
 
 
 def _write(directory: str, name: str, data: dict) -> None:
-    # Written whole, then renamed: a reader never sees half a file.
+    # Written whole, then renamed: a reader never sees half a file. A rank that outlives its cell
+    # (join=False) finds the directory gone: nothing to report to.
     tmp = os.path.join(directory, f".{name}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, os.path.join(directory, f"{name}.json"))
+    with contextlib.suppress(FileNotFoundError):
+        with open(tmp, "w") as fh:
+            json.dump(data, fh)
+        os.replace(tmp, os.path.join(directory, f"{name}.json"))
 
 
 def _names(directory: str) -> list[str]:
@@ -499,8 +502,9 @@ class RankWatch:
         return start_processes
 
     def gather(self) -> Ranks | None:
-        """The ranks that reported into this cell's directory (None: the cell started none). A rank
-        still running now is killed and marked ``left_running``; one that wrote nothing is ``lost``."""
+        """The ranks that reported into this cell's directory (None: the cell started none). After a
+        failure a rank still running now is killed and marked ``left_running``; one that wrote nothing
+        is ``lost`` (or ``running``, when no rank failed and it still runs)."""
         started, _ = _pids(self.directory)
         if not started:
             return None
@@ -512,18 +516,20 @@ class RankWatch:
                 with open(os.path.join(self.directory, name)) as fh:
                     result = RankResult.from_json(json.load(fh))
                 results[result.pid] = result
+        failed = any(r.status in ("oom", "error") for r in results.values())
         for pid in started:
             still = alive(pid)
-            if still:
+            # After a failure no rank may outlive the cell; ranks started with join=False that are
+            # still working are left alone (``%gpumem`` maps their PIDs to ranks).
+            if still and failed:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             if pid not in results:
                 with open(os.path.join(self.directory, f"pid-{pid}.json")) as fh:
                     index = json.load(fh).get("index", -1)
-                results[pid] = RankResult(rank=index, pid=pid, status="lost", device=self.device)
-            if still:
-                from dataclasses import replace
-
+                status = "running" if still and not failed else "lost"
+                results[pid] = RankResult(rank=index, pid=pid, status=status, device=self.device)
+            if still and failed:
                 results[pid] = replace(results[pid], left_running=True)
         return Ranks.of(list(results.values()))
 

@@ -11,7 +11,6 @@ as ``accelerate.notebook_launcher`` users do (fork needs no import).
 from __future__ import annotations
 
 import socket
-import textwrap
 import time
 
 import pytest
@@ -128,7 +127,7 @@ def work(rank, port, overrun_rank):
 
 
 def test_ranks_that_fit_are_recorded(run_cell):
-    result, out = run_cell(
+    _, out = run_cell(
         "%%gpumem --limit 64MiB --device cpu --text\n"
         + FORKED
         + f"mp.start_processes(work, args=({free_port()}, -1), nprocs=2, start_method='fork')"
@@ -144,7 +143,7 @@ def test_ranks_that_fit_are_recorded(run_cell):
 def test_forked_ranks_defined_in_the_cell(run_cell):
     # fork, as accelerate.notebook_launcher starts ranks: the function is defined in the cell (fork needs
     # no import), and each rank drops the tracker it inherited from the kernel.
-    result, out = run_cell(
+    _, out = run_cell(
         "%%gpumem --limit 64MiB --device cpu --text\n"
         "kernel_tensor = torch.empty(8 * 1024 * 1024, dtype=torch.uint8)\n"
         + FORKED
@@ -162,7 +161,7 @@ def test_forked_ranks_defined_in_the_cell(run_cell):
 
 def test_notebook_launcher(run_cell):
     pytest.importorskip("accelerate")
-    result, out = run_cell(
+    _, out = run_cell(
         "%%gpumem --limit 64MiB --device cpu --text\n"
         "from accelerate import notebook_launcher\n"
         + FORKED
@@ -288,3 +287,14 @@ def test_activations_bulk_offers_checkpointing_not_sharding():
 def test_result_round_trips_through_json():
     r = rank(1, "oom", requested=5, failed_at=2.0, contexts=((0, 7),))
     assert RankResult.from_json(r.to_json()) == r
+
+
+def test_gpumem_line_maps_processes_to_ranks():
+    from oommagic.devices import DeviceReport, GpuProcess, GpuStatus, render_devices_text
+
+    gpu = GpuStatus(0, 0, "GPU-0", "H100", 6 * 1024**3, 80 * 1024**3, 74 * 1024**3, (), None)
+    gpu = GpuStatus(
+        **{**gpu.__dict__, "processes": (GpuProcess(4242, "python", 3 * 1024**3), GpuProcess(7, "x", MiB))}
+    )
+    text = render_devices_text(DeviceReport(True, None, "580", (gpu,)), ranks={4242: 1})
+    assert "PID 4242  python  3.00 GiB  (rank 1)" in text and "(rank" not in text.split("PID 7")[1]
