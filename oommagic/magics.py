@@ -124,8 +124,15 @@ class GpuMemMagics(Magics):
         Without CUDA (or with ``--device cpu``) it runs in CPU mode: tensor storage bytes are tracked
         exactly and ``--limit`` emulates a card of that size.
 
+        Ranks the cell starts through ``torch.multiprocessing`` (``mp.spawn``, ``start_processes``,
+        accelerate's ``notebook_launcher``) are recorded each in its own process under the same
+        ``--limit`` per rank: the report gets a table per rank, names the rank that ran out first and
+        the bottleneck, and flags stray CUDA contexts. When one rank runs out, the others are stopped at
+        once instead of waiting in their next collective. Scripts the cell runs through ``!torchrun``
+        record themselves with ``with oommagic.rank_recorder(): train()``.
+
         As a line magic (``%gpumem``) it prints each visible GPU: used/total, this process's
-        allocated/reserved memory and the other processes on it (NVML).
+        allocated/reserved memory and the other processes on it (NVML), ranks marked.
 
         Examples::
 
