@@ -501,10 +501,11 @@ class RankWatch:
         start_processes.__wrapped__ = original  # type: ignore[attr-defined]
         return start_processes
 
-    def gather(self) -> Ranks | None:
+    def gather(self, stop: bool = False) -> Ranks | None:
         """The ranks that reported into this cell's directory (None: the cell started none). After a
-        failure a rank still running now is killed and marked ``left_running``; one that wrote nothing
-        is ``lost`` (or ``running``, when no rank failed and it still runs)."""
+        rank failed, or with ``stop`` (the cell failed or was interrupted), a rank still running now is
+        killed and marked ``left_running``; one that wrote nothing is ``lost`` (``running`` when it was
+        left to work: started with ``join=False`` by a cell that ended well)."""
         started, _ = _pids(self.directory)
         if not started:
             return None
@@ -516,7 +517,7 @@ class RankWatch:
                 with open(os.path.join(self.directory, name)) as fh:
                     result = RankResult.from_json(json.load(fh))
                 results[result.pid] = result
-        failed = any(r.status in ("oom", "error") for r in results.values())
+        failed = stop or any(r.status in ("oom", "error") for r in results.values())
         for pid in started:
             still = alive(pid)
             # After a failure no rank may outlive the cell; ranks started with join=False that are

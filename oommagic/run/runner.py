@@ -147,7 +147,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         attempt.wall_s = time.perf_counter() - t0
         attempt.steps = counter.steps
         exc, catch.exc = catch.exc, None
-        attempt.ranks = ranks.gather()
+        attempt.ranks = ranks.gather(stop=interrupted or exc is not None)
         rank_oom = attempt.ranks.report() if attempt.ranks is not None else None
         if result is not None and exc is not None and result.error_in_exec is exc:
             result.error_in_exec = None
