@@ -181,7 +181,12 @@ class Ranks:
             what = "ran out of memory" if first.status == "oom" else "failed"
             need = f" asking for {fmt(first.requested)}" if first.requested else ""
             stopped = [r.rank for r in self.results if r.status == "stopped"]
-            after = f"; ranks {', '.join(map(str, stopped))} were stopped" if stopped else ""
+            after = ""
+            if stopped:
+                names = ", ".join(map(str, stopped))
+                after = (
+                    f"; rank {names} was stopped" if len(stopped) == 1 else f"; ranks {names} were stopped"
+                )
             lines.append(f"rank {first.rank} {what} first{need}{after}")
         neck = self.bottleneck
         if neck is not None and len(self.results) > 1 and neck.share is not None:

@@ -298,3 +298,23 @@ def test_gpumem_line_maps_processes_to_ranks():
     )
     text = render_devices_text(DeviceReport(True, None, "580", (gpu,)), ranks={4242: 1})
     assert "PID 4242  python  3.00 GiB  (rank 1)" in text and "(rank" not in text.split("PID 7")[1]
+
+
+def test_views_show_a_row_per_rank():
+    from oommagic.cellrun import CellRun
+    from oommagic.timeline import Recording
+    from oommagic.view.text import render_text
+    from oommagic.view.widget import ranks_html
+
+    ranks = Ranks.of(
+        [rank(0, "stopped", stopped_by=1), rank(1, "oom", 200 * MiB, requested=80 * MiB, failed_at=1.0)]
+    )
+    run = CellRun(
+        source="mp.spawn(train, nprocs=2)", recording=Recording(device="cpu"), outcome="oom", ranks=ranks
+    )
+    text = render_text(run)
+    assert "ranks: rank 1 ran out of memory first asking for 80.00 MiB; rank 0 was stopped" in text
+    assert "1001  100.00 MiB" not in text and "OUT OF MEMORY (asked 80.00 MiB)" in text
+    html = ranks_html(run)
+    assert html.count("<tr") == 3 and "stopped (rank 1 failed)" in html and "#c0392b" in html
+    assert ranks_html(CellRun(source="", recording=Recording(device="cpu"))) == ""
