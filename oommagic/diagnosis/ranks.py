@@ -331,6 +331,31 @@ def rank_findings(ranks: Ranks, source: str, batch: BatchGuess | None = None) ->
     return tuple(found)
 
 
+# Retries that reach the ranks: a rewrite of the cell, a batch variable the cell hands to its ranks, the
+# kernel's own leftovers (on a GPU one of the ranks shares).
+_REACHES_RANKS = frozenset({"batch", "free_leftovers"})
+
+
+def in_every_rank(findings: tuple[Finding, ...]) -> tuple[Finding, ...]:
+    """``findings`` of a distributed cell: a retry that only changes a setting of the kernel's process
+    (autocast, the allocator, a hook) does not reach the ranks, so it becomes a snippet to put into the
+    rank function instead of a button."""
+    out = []
+    for finding in findings:
+        remedies = tuple(
+            r
+            if not r.automatic or r.new_source or r.kind in _REACHES_RANKS
+            else replace(
+                r,
+                automatic=False,
+                explanation=r.explanation + " In a distributed cell: put the snippet into the rank function.",
+            )
+            for r in finding.remedies
+        )
+        out.append(replace(finding, remedies=remedies))
+    return tuple(out)
+
+
 def _out_of_memory(ranks: Ranks, failed: RankResult, source: str, batch: BatchGuess | None) -> Finding:
     neck = ranks.bottleneck or failed
     others = [r.peak_reserved for r in ranks.results if r.rank != failed.rank]

@@ -139,9 +139,10 @@ class Session:
                 )
                 findings = tuple(diagnose(attempt.report, context))
                 if attempt.ranks is not None:
-                    from ..diagnosis.ranks import rank_findings
+                    from ..diagnosis.ranks import in_every_rank, rank_findings
 
-                    findings = rank_findings(attempt.ranks, spec.source, context.batch) + findings
+                    ranks = rank_findings(attempt.ranks, spec.source, context.batch)
+                    findings = ranks + in_every_rank(findings)
             except Exception as err:  # a diagnosis bug must not hide the report itself
                 print(f"%%gpumem: the diagnosis failed ({type(err).__name__}: {err}); the figures stand")
         return CellRun(

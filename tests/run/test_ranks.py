@@ -318,3 +318,22 @@ def test_views_show_a_row_per_rank():
     html = ranks_html(run)
     assert html.count("<tr") == 3 and "stopped (rank 1 failed)" in html and "#c0392b" in html
     assert ranks_html(CellRun(source="", recording=Recording(device="cpu"))) == ""
+
+
+def test_settings_of_the_kernel_become_snippets_for_the_ranks():
+    from oommagic.diagnosis.findings import Finding, Remedy
+    from oommagic.diagnosis.ranks import in_every_rank
+
+    finding = Finding(
+        "k",
+        "t",
+        "e",
+        remedies=(
+            Remedy("autocast", "bf16 autocast", "why.", automatic=True),
+            Remedy("batch", "Batch 8 → 4", automatic=True, params={"where": "namespace"}),
+            Remedy("checkpointing", "Checkpointing", automatic=True, new_source="x = 1"),
+        ),
+    )
+    remedies = in_every_rank((finding,))[0].remedies
+    assert [r.automatic for r in remedies] == [False, True, True]
+    assert remedies[0].explanation.endswith("put the snippet into the rank function.")
