@@ -39,7 +39,7 @@ def rank_recorder(index: int | None = None):
     scripts the cell runs through ``!torchrun`` or ``subprocess`` (ranks started in the kernel through
     ``torch.multiprocessing`` or ``notebook_launcher`` are recorded without it). Outside such a cell it
     records nothing. ``with oommagic.rank_recorder(): train()``."""
-    from .run.ranks import rank_recorder as recorder
+    from .run.rank_process import rank_recorder as recorder
 
     return recorder(index)
 
