@@ -337,3 +337,25 @@ def test_settings_of_the_kernel_become_snippets_for_the_ranks():
     remedies = in_every_rank((finding,))[0].remedies
     assert [r.automatic for r in remedies] == [False, True, True]
     assert remedies[0].explanation.endswith("put the snippet into the rank function.")
+
+
+SCRIPT = """
+import torch
+import oommagic
+
+with oommagic.rank_recorder():
+    torch.empty(96 * 1024 * 1024, dtype=torch.uint8)
+"""
+
+
+def test_script_started_by_the_cell_records_itself(run_cell, tmp_path):
+    # What a script run through !torchrun does: one call, settings read from the environment the magic set.
+    (tmp_path / "script.py").write_text(SCRIPT)
+    _, out = run_cell(
+        "%%gpumem --limit 64MiB --device cpu --text\nimport os, subprocess, sys\n"
+        f"subprocess.run([sys.executable, {str(tmp_path / 'script.py')!r}], check=True,"
+        " env={**os.environ, 'RANK': '0', 'PYTHONPATH': os.pathsep.join(sys.path)})"
+    )
+    run = last_run()
+    assert run.outcome == "oom", out
+    assert [(r.rank, r.status, r.requested) for r in run.ranks.results] == [(0, "oom", 96 * MiB)]
