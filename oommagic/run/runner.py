@@ -157,7 +157,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         elif exc is not None and (is_oom(exc) or rank_oom is not None):
             held_at_failure = recorder.allocated()
             attempt.outcome = "oom"
-            # A rank's error reaches the kernel wrapped by its launcher: the rank's own message is the report.
+            # A rank's error reaches the kernel wrapped by its launcher: the rank's message is the report.
             attempt.report = rank_oom or _report(exc, recorder.exact)
             if scan:
                 attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec)

@@ -46,7 +46,8 @@ class Session:
         if run.outcome == "oom" and run.findings:
             # A trial would start every rank again, outside the recorded run: distributed cells get the
             # findings' fixes, not measured.
-            run = replace(run, plan=self._plan(run) if run.ranks is None else _unmeasured(run, "distributed"))
+            plan = self._plan(run) if run.ranks is None else _unmeasured(run, "distributed")
+            run = replace(run, plan=plan)
         self._record(run, attempt)
         if run.outcome == "interrupted":
             raise KeyboardInterrupt

@@ -55,7 +55,8 @@ def rank_lines(run: CellRun) -> list[str]:
     rows = run.ranks.rows()
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     lines = [f"ranks: {s}" for s in run.ranks.summary()]
-    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     return lines
 
 

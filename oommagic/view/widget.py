@@ -91,14 +91,15 @@ def ranks_html(run: CellRun) -> str:
     failed = run.ranks.failed_first
     cell = "padding:0.1em 1em 0.1em 0"
     head = "".join(f"<th style='{cell};text-align:left'>{_esc(h)}</th>" for h in header)
+    first = str(failed.rank) if failed is not None else None
     body = "".join(
-        f"<tr style='color:{'#c0392b' if failed is not None and row[0] == str(failed.rank) else 'inherit'}'>"
+        f"<tr style='color:{'#c0392b' if row[0] == first else 'inherit'}'>"
         + "".join(f"<td style='{cell}'>{_esc(c)}</td>" for c in row)
         + "</tr>"
         for row in rows
     )
     summary = "".join(f"<div>{_esc(line)}</div>" for line in run.ranks.summary())
-    return f"<div class='oommagic-ranks'>{summary}<table>{head and f'<tr>{head}</tr>'}{body}</table></div>"
+    return f"<div class='oommagic-ranks'>{summary}<table><tr>{head}</tr>{body}</table></div>"
 
 
 def plan_html(run: CellRun) -> str:
