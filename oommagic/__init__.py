@@ -22,6 +22,7 @@ __all__ = [
     "load_ipython_extension",
     "parse_oom",
     "parse_size",
+    "rank_recorder",
     "report_widget",
 ]
 
@@ -31,6 +32,16 @@ def history() -> list[CellRun]:
     from .run.session import history as runs
 
     return runs()
+
+
+def rank_recorder(index: int | None = None):
+    """Context manager: record this process as one rank of the ``%%gpumem`` cell that started it, for
+    scripts the cell runs through ``!torchrun`` or ``subprocess`` (ranks started in the kernel through
+    ``torch.multiprocessing`` or ``notebook_launcher`` are recorded without it). Outside such a cell it
+    records nothing. ``with oommagic.rank_recorder(): train()``."""
+    from .run.rank_process import rank_recorder as recorder
+
+    return recorder(index)
 
 
 def report_widget():

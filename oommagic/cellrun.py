@@ -14,6 +14,7 @@ from typing import Any
 
 from .categories import Breakdown
 from .diagnosis.findings import DiagnosisContext, Finding, Remedy
+from .diagnosis.ranks import Ranks
 from .oom import OOMReport
 from .options import Options
 from .sizes import format_bytes
@@ -56,6 +57,7 @@ class CellRun:
     categories: Breakdown | None = None
     gpu_busy: float | None = None
     snapshot_ms: float | None = None
+    ranks: Ranks | None = None  # per-rank figures when the cell started torch.distributed ranks
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     # Thin readers over the recording: one source of truth for every figure.
@@ -181,6 +183,7 @@ class CellRun:
             "gpu_busy": self.gpu_busy,
             "snapshot_ms": self.snapshot_ms,
             "under_use": self.under_use(),
+            "ranks": self.ranks.to_json() if self.ranks is not None else None,
         }
 
     def to_json_str(self) -> str:

@@ -299,10 +299,15 @@ _NO_NVML_HINT = (
 )
 
 
-def render_devices_text(report: DeviceReport, this_process: dict[int, tuple[int, int]] | None = None) -> str:
+def render_devices_text(
+    report: DeviceReport,
+    this_process: dict[int, tuple[int, int]] | None = None,
+    ranks: Mapping[int, int] | None = None,
+) -> str:
     """The ``%gpumem`` table: each GPU's use, this process's PyTorch figures and every process on it.
 
-    ``this_process`` maps a CUDA ordinal to ``(allocated, reserved)`` bytes as torch reports them. Cards
+    ``this_process`` maps a CUDA ordinal to ``(allocated, reserved)`` bytes as torch reports them;
+    ``ranks`` a PID to the rank of a ``%%gpumem`` cell that started it (shown next to the PID). Cards
     this process can use come first, in CUDA order; hidden ones follow, marked as such.
     """
     mine = this_process or {}
@@ -320,7 +325,7 @@ def render_devices_text(report: DeviceReport, this_process: dict[int, tuple[int,
     lines = [f"GPU memory from NVML{driver}", _aligned(header, widths)]
     for gpu, row in zip(gpus, rows, strict=True):
         lines.append(_aligned(row, widths))
-        lines.extend(f"    {line}" for line in _device_details(gpu, mine))
+        lines.extend(f"    {line}" for line in _device_details(gpu, mine, ranks or {}))
     return "\n".join(lines)
 
 
@@ -349,7 +354,9 @@ def _device_row(gpu: GpuStatus) -> tuple[str, str, str, str, str, str]:
     )
 
 
-def _device_details(gpu: GpuStatus, mine: Mapping[int, tuple[int, int]]) -> list[str]:
+def _device_details(
+    gpu: GpuStatus, mine: Mapping[int, tuple[int, int]], ranks: Mapping[int, int] | None = None
+) -> list[str]:
     lines: list[str] = []
     if gpu.error:
         lines.append(f"NVML error: {gpu.error}")
@@ -363,6 +370,8 @@ def _device_details(gpu: GpuStatus, mine: Mapping[int, tuple[int, int]]) -> list
     own_pid = os.getpid()
     for proc in sorted(gpu.processes, key=lambda p: -(p.used or 0)):
         tag = "  (this process)" if proc.pid == own_pid else ""
+        if ranks and proc.pid in ranks:
+            tag = f"  (rank {ranks[proc.pid]})"
         used = format_bytes(proc.used) if proc.used is not None else "? (not reported)"
         lines.append(f"PID {proc.pid}  {proc.name or '?'}  {used}{tag}")
     if not gpu.processes and not gpu.error:

@@ -136,12 +136,20 @@ class GpuMemMagics(Magics):
         Without CUDA (or with ``--device cpu``) it runs in CPU mode: tensor storage bytes are tracked
         exactly and ``--limit`` emulates a card of that size.
 
+        Ranks the cell starts through ``torch.multiprocessing`` (``mp.spawn``, ``start_processes``,
+        accelerate's ``notebook_launcher``) are recorded each in its own process under the same
+        ``--limit`` per rank: the report gets a table per rank, names the rank that ran out first and
+        the bottleneck, and flags stray CUDA contexts. When one rank runs out, the others are stopped at
+        once instead of waiting in their next collective. Scripts the cell runs through ``!torchrun``
+        record themselves with ``with oommagic.rank_recorder(): train()``.
+
         As a line magic (``%gpumem``) it prints each visible GPU: used/total, this process's
         allocated/reserved memory and the other processes on it (NVML), then what pins device memory
         outside the namespace's variables (an earlier error's traceback, ``Out``/``_``, exceptions,
         generators and closures kept in variables), with the path to each. ``%gpumem --free`` gives that
         memory back without a kernel restart and says how much came back; ``%gpumem --snapshot FILE``
         writes the last run's allocator snapshot for PyTorch's memory viewer (pytorch.org/memory_viz).
+        Processes of the ranks a ``%%gpumem`` cell started are marked with their rank.
 
         Examples::
 
@@ -159,7 +167,7 @@ class GpuMemMagics(Magics):
                 return None
             if words:
                 return self._line_snapshot(line)
-            print(device_status())
+            print(device_status(self._rank_pids()))
             print(pinned_status(self.shell))
             return None
         try:
@@ -225,6 +233,13 @@ class GpuMemMagics(Magics):
             f"%gpumem: snapshot of run {run.id} written to {where} (open it at https://pytorch.org/memory_viz)"
         )
 
+    def _rank_pids(self) -> dict[int, int]:
+        """PID → rank of every rank a ``%%gpumem`` cell of this shell started."""
+        from .run.session import session_for
+
+        runs = session_for(self.shell).history
+        return {pid: rank for run in runs if run.ranks for pid, rank in run.ranks.pids().items()}
+
     def _session(self) -> Any:
         from .run.session import session_for
 
@@ -257,8 +272,9 @@ class GpuMemMagics(Magics):
         return None
 
 
-def device_status() -> str:
-    """Text table of the visible GPUs (NVML) with this process's torch figures where CUDA is up."""
+def device_status(ranks: dict[int, int] | None = None) -> str:
+    """Text table of the visible GPUs (NVML) with this process's torch figures where CUDA is up, and the
+    processes ``ranks`` (PID → rank) names marked with their rank."""
     from .devices import read_devices, render_devices_text
 
     mine: dict[int, tuple[int, int]] = {}
@@ -270,7 +286,7 @@ def device_status() -> str:
                 mine[i] = (torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
     except ImportError:
         pass
-    return render_devices_text(read_devices(), this_process=mine)
+    return render_devices_text(read_devices(), this_process=mine, ranks=ranks)
 
 
 def _pin_device() -> str:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..categories import Breakdown
 from ..diagnosis.context import NamespaceScan
+from ..diagnosis.ranks import Ranks
 from ..oom import OOMReport, is_oom, parse_oom
 from ..timeline import Recording
 from .release import drop_bound_by_cell, free_failed_cell
@@ -61,6 +62,7 @@ class Attempt:
     busy: float | None = None
     snapshot: Any = None  # () -> the allocator snapshot dict (memory_viz format), or None
     snapshot_ms: float | None = None
+    ranks: Ranks | None = None  # the ranks the cell started (torch.distributed), if any
 
 
 class _Catch:
@@ -110,6 +112,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
     from .capture import open_recorder
     from .capture.roles import frames_of
     from .fixes import in_force
+    from .ranks import watch_ranks
 
     options = spec.options
     limit = bounds.limit if bounds is not None and bounds.limit is not None else options.limit
@@ -127,6 +130,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         stack.enter_context(catch.installed())
         stack.enter_context(in_force(spec.applied, shell, recorder.device))
         counter = stack.enter_context(_bounded(bounds))
+        ranks = stack.enter_context(watch_ranks(limit, recorder.device))
         t0 = time.perf_counter()
         result = None
         try:
@@ -136,15 +140,18 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         attempt.wall_s = time.perf_counter() - t0
         attempt.steps = counter.steps
         exc, catch.exc = catch.exc, None
+        attempt.ranks = ranks.gather(stop=interrupted or exc is not None)
+        rank_oom = attempt.ranks.report() if attempt.ranks is not None else None
         if result is not None and exc is not None and result.error_in_exec is exc:
             result.error_in_exec = None
         if isinstance(exc, TrialStop):
             attempt.outcome, attempt.stopped_by = "stopped", str(exc)
             free_failed_cell(shell, exc, recorder.device, then_collect=scan)
-        elif exc is not None and is_oom(exc):
+        elif exc is not None and (is_oom(exc) or rank_oom is not None):
             held_at_failure = recorder.allocated()
             attempt.outcome = "oom"
-            attempt.report = _report(exc, recorder.exact)
+            # A rank's error reaches the kernel wrapped by its launcher: the rank's message is the report.
+            attempt.report = rank_oom or _report(exc, recorder.exact)
             if scan:
                 _what_filled(recorder, [shell.user_ns, *frames_of(exc.__traceback__)])
                 attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, exc, pins)

@@ -50,7 +50,10 @@ class Session:
         attempt = execute(self.shell, spec)
         run = self._build(spec, attempt)
         if run.outcome == "oom" and run.findings:
-            run = replace(run, plan=self._plan(run))
+            # A trial would start every rank again, outside the recorded run: distributed cells get the
+            # findings' fixes, not measured.
+            plan = self._plan(run) if run.ranks is None else _unmeasured(run, "distributed")
+            run = replace(run, plan=plan)
         self._record(run, attempt)
         if run.outcome == "interrupted":
             raise KeyboardInterrupt
@@ -155,6 +158,11 @@ class Session:
                     dropped=[name for name, _ in attempt.dropped],
                 )
                 findings = tuple(diagnose(attempt.report, context))
+                if attempt.ranks is not None:
+                    from ..diagnosis.ranks import in_every_rank, rank_findings
+
+                    ranks = rank_findings(attempt.ranks, spec.source, context.batch)
+                    findings = ranks + in_every_rank(findings)
             except Exception as err:  # a diagnosis bug must not hide the report itself
                 print(f"%%gpumem: the diagnosis failed ({type(err).__name__}: {err}); the figures stand")
         return CellRun(
@@ -178,6 +186,7 @@ class Session:
             categories=attempt.categories,
             gpu_busy=attempt.busy,
             snapshot_ms=attempt.snapshot_ms,
+            ranks=attempt.ranks,
         )
 
     def _plan(self, run: CellRun) -> Any:
@@ -207,6 +216,12 @@ class Session:
             with contextlib.suppress(Exception):
                 self._publish(run)
         return run
+
+
+def _unmeasured(run: CellRun, why: str) -> Any:
+    from .plan import unmeasured_plan
+
+    return unmeasured_plan(run, why)
 
 
 def _print_progress(line: str) -> None:

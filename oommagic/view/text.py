@@ -68,6 +68,18 @@ def fitted_lines(run: CellRun) -> list[str]:
     return lines
 
 
+def rank_lines(run: CellRun) -> list[str]:
+    """The per-rank table of a distributed cell, with who failed first and the bottleneck above it."""
+    if run.ranks is None:
+        return []
+    rows = run.ranks.rows()
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    lines = [f"ranks: {s}" for s in run.ranks.summary()]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+    return lines
+
+
 def render_text(run: CellRun, findings: int = 5) -> str:
     """The report as plain text, in the widget's order: headline, memory by category, the fix plan, the
     findings, the largest allocations, the figures."""
@@ -85,6 +97,7 @@ def render_text(run: CellRun, findings: int = 5) -> str:
         if plan.unfittable:
             lines.append(f"  {plan.unfittable}")
         lines += [f"  {i}. {e.title}: {e.line()}" for i, e in enumerate(plan.entries, 1)]
+    lines += rank_lines(run)
     for f in run.findings[:findings]:
         lines.append(f"- {f.title}: {f.evidence}")
         lines += [f"    fix: {r.title}" for r in f.remedies[:3]]

@@ -103,6 +103,25 @@ def figures_html(run: CellRun) -> str:
     )
 
 
+def ranks_html(run: CellRun) -> str:
+    """The per-rank table of a distributed cell (empty for a single process)."""
+    if run.ranks is None:
+        return ""
+    header, *rows = run.ranks.rows()
+    failed = run.ranks.failed_first
+    cell = "padding:0.1em 1em 0.1em 0"
+    head = "".join(f"<th style='{cell};text-align:left'>{_esc(h)}</th>" for h in header)
+    first = str(failed.rank) if failed is not None else None
+    body = "".join(
+        f"<tr style='color:{'#c0392b' if row[0] == first else 'inherit'}'>"
+        + "".join(f"<td style='{cell}'>{_esc(c)}</td>" for c in row)
+        + "</tr>"
+        for row in rows
+    )
+    summary = "".join(f"<div>{_esc(line)}</div>" for line in run.ranks.summary())
+    return f"<div class='oommagic-ranks'>{summary}<table><tr>{head}</tr>{body}</table></div>"
+
+
 def plan_html(run: CellRun) -> str:
     plan = run.plan
     if plan is None or not plan.entries:
@@ -249,7 +268,7 @@ class ReportWidget:
             f"<div class='oommagic-finding' style='{_BLOCK}'>{finding_html(f)}</div>" for f in run.findings
         )
         self.top.value = block(top_html(run))
-        self.table.value = figures_html(run)
+        self.table.value = ranks_html(run) + figures_html(run)
         self.buttons, self._fixes = [], {}
         row = []
         if run.outcome == "oom":

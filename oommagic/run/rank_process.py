@@ -1,0 +1,353 @@
+"""In a rank process: ``RankRecorder`` records the rank and stops it when another rank fails.
+
+It gets there without a change to the user's code through ``RankTarget`` (the kernel wraps the function
+``torch.multiprocessing.start_processes`` runs, see ``run.ranks``), or through ``rank_recorder()``, the one
+call a script run by ``!torchrun`` makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..oom import is_oom, parse_oom
+from .rank_files import ENV_DEVICE, ENV_DIR, ENV_LIMIT, failed_rank, limit_bytes, unreported, write
+
+POLL_S = 0.05
+STOP_WAIT = 3.0
+STOPPED_EXIT = 1  # what a stopped rank exits with: a failure, so launchers end the others too
+
+
+# --- the settings a rank reads ------------------------------------------------------------------------
+
+
+def _settings_from_env() -> tuple[str, str | None, str] | None:
+    directory = os.environ.get(ENV_DIR)
+    if not directory:
+        return None
+    return directory, os.environ.get(ENV_LIMIT) or None, os.environ.get(ENV_DEVICE, "cpu")
+
+
+@contextlib.contextmanager
+def rank_recorder(index: int | None = None) -> Iterator[None]:
+    """Record this process as one rank of a ``%%gpumem`` cell (the one call a script run by ``torchrun``
+    or ``subprocess`` from the cell makes: ``with oommagic.rank_recorder(): train()``).
+
+    Reads the settings the magic put in the environment; outside a ``%%gpumem`` cell it records nothing.
+    ``index`` defaults to ``LOCAL_RANK`` (the GPU a rank uses by convention), else ``RANK``.
+    """
+    settings = _settings_from_env()
+    if settings is None:
+        yield
+        return
+    directory, limit, device = settings
+    if index is None:
+        index = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    with RankRecorder(directory, limit, device, index):
+        yield
+
+
+class RankTarget:
+    """The user's rank function, wrapped so that the child process records itself. Pickled by reference
+    to ``fn`` (the user's function must be importable in the child, as ``torch.multiprocessing`` already
+    requires with the spawn start method)."""
+
+    def __init__(self, fn: Any, directory: str, limit: str | None, device: str) -> None:
+        self.fn = fn
+        self.directory, self.limit, self.device = directory, limit, device
+
+    def __call__(self, index: int, *args: Any) -> Any:
+        with RankRecorder(self.directory, self.limit, self.device, index):
+            return self.fn(index, *args)
+
+
+# --- in the rank process ------------------------------------------------------------------------------
+
+
+class RankRecorder:
+    """Records this rank process: its peak, its out-of-memory error, its GPU contexts; stops it when
+    another rank fails; writes one result file. In CPU mode the tensor tracker with the per-rank limit;
+    on CUDA nothing touches the GPU before the user's code does (no stray context of our own): the limit
+    is set when CUDA starts, on the device ``index`` (the local rank), and the figures are read at the end.
+    """
+
+    def __init__(self, directory: str, limit: str | None, device: str, index: int) -> None:
+        self.directory = directory
+        self.limit = limit
+        self.device = device
+        self.index = index
+        self.pid = os.getpid()
+        self._cpu: Any = None
+        self._lock = threading.Lock()
+        self._written = False
+        self._done = threading.Event()
+        self._main = threading.get_ident()
+        self._watcher: threading.Thread | None = None
+
+    # The life of a rank.
+
+    def __enter__(self) -> RankRecorder:
+        write(self.directory, f"pid-{self.pid}", {"pid": self.pid, "index": self.index})
+        if self.device == "cpu":
+            self._cpu = _cpu_recorder(self.limit)
+            self._cpu.__enter__()
+        else:
+            _limit_cuda_on_start(self.limit, self.index)
+        self._watcher = threading.Thread(target=self._watch, name="oommagic-rank-watch", daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, etype: Any, exc: BaseException | None, tb: Any) -> bool:
+        self._done.set()
+        failed_at = time.time()
+        if self._cpu is not None:
+            with contextlib.suppress(Exception):
+                self._cpu.__exit__(None, None, None)
+        if exc is None:
+            self._report("ok")
+            return False
+        if isinstance(exc, Exception):
+            status = "oom" if is_oom(exc) else "error"
+            frames = _traceback_frames(tb)
+            if self._report(status, exc=exc, failed_at=failed_at, frames=frames):
+                self._stop_the_others()
+                _abort_process_group()
+        return False
+
+    def _watch(self) -> None:
+        """Another rank failed: write this rank's figures and end this process (its memory goes back)."""
+        while not self._done.wait(POLL_S):
+            failed = failed_rank(self.directory, self.pid)
+            if failed is None:
+                continue
+            frames = _thread_frames(self._main)
+            if self._report("stopped", stopped_by=failed, frames=frames):
+                with contextlib.suppress(Exception):
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                os._exit(STOPPED_EXIT)
+            return
+
+    def _stop_the_others(self) -> None:
+        """Wait for every other rank to report (their watchers stop them), then kill those that did not."""
+        deadline = time.time() + STOP_WAIT
+        while time.time() < deadline:
+            if not unreported(self.directory):
+                return
+            time.sleep(POLL_S / 2)
+        for pid in unreported(self.directory):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    # The result file.
+
+    def _report(
+        self,
+        status: str,
+        exc: BaseException | None = None,
+        failed_at: float | None = None,
+        stopped_by: int | None = None,
+        frames: list[Any] | None = None,
+    ) -> bool:
+        """Write this rank's result once (the main thread and the watcher may race); False if written."""
+        with self._lock:
+            if self._written:
+                return False
+            self._written = True
+        result = self._figures()
+        result.update(status=status, stopped_by=stopped_by, failed_at=failed_at)
+        if exc is not None:
+            message = _message(exc)
+            report = parse_oom(message) if status == "oom" else None
+            result["message"] = report.text if report is not None else message[-4000:]
+            result["requested"] = report.requested if report is not None else None
+            exact = getattr(self._cpu, "exact", None) or {}
+            if exact.get("requested"):
+                result["requested"] = exact["requested"]
+        result.update(_state_bytes(frames or []))
+        result["rank"] = _rank(self.index)
+        name = f"{status}-rank{result['rank']}-pid{self.pid}"
+        write(self.directory, name, result)
+        return True
+
+    def _figures(self) -> dict:
+        figures: dict[str, Any] = {"pid": self.pid}
+        if self._cpu is not None:
+            rec = self._cpu.recording()
+            figures.update(
+                device="cpu",
+                peak_allocated=rec.peak_allocated,
+                peak_reserved=rec.peak_reserved,
+                limit=rec.limit,
+                capacity=rec.capacity,
+            )
+            return figures
+        figures.update(_cuda_figures(self.index, self.limit))
+        return figures
+
+
+def _cpu_recorder(limit: str | None) -> Any:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode
+
+    from .capture.cpu import LEDGER, CpuRecorder, host_memory
+
+    # A forked rank (notebook_launcher) inherits the kernel's tracker and ledger: this process starts
+    # its own count.
+    while _get_current_dispatch_mode_stack():
+        _pop_mode()
+    LEDGER.live.clear()
+    LEDGER.allocated = 0
+    LEDGER.listener = None
+    return CpuRecorder(limit_bytes(limit, host_memory()), timeline=False)
+
+
+def _limit_cuda_on_start(limit: str | None, index: int) -> None:
+    if limit is None:
+        return
+    import torch
+
+    def apply() -> None:
+        if index < torch.cuda.device_count():
+            _, total = torch.cuda.mem_get_info(index)
+            nbytes = limit_bytes(limit, total) or total
+            torch.cuda.set_per_process_memory_fraction(min(nbytes / total, 1.0), index)
+
+    # Queued until the user's code starts CUDA (run at once where it already has, in a forked rank).
+    torch.cuda._lazy_call(apply)
+
+
+def _cuda_figures(index: int, limit: str | None) -> dict:
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return {"device": "cpu"}
+    device = torch.cuda.current_device()
+    stats = torch.cuda.memory_stats(device)
+    reserved_now = stats.get("reserved_bytes.all.current", 0)
+    _, total = torch.cuda.mem_get_info(device)
+    contexts = _nvml_contexts(os.getpid())
+    used_here = dict(contexts).get(device)
+    return {
+        "device": f"cuda:{device}",
+        "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
+        "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
+        "outside": max(used_here - reserved_now, 0) if used_here is not None else None,
+        "capacity": total,
+        "limit": limit_bytes(limit, total) if limit is not None else None,
+        "contexts": [list(c) for c in contexts],
+    }
+
+
+def _nvml_contexts(pid: int) -> list[tuple[int, int]]:
+    """``(cuda index, bytes)`` for every GPU where NVML lists ``pid`` (empty where NVML shows host PIDs
+    that differ from ours, in containers)."""
+    from ..devices import read_devices
+
+    report = read_devices()
+    found = []
+    for gpu in report.devices:
+        for proc in gpu.processes:
+            if proc.pid == pid and gpu.cuda_index is not None:
+                found.append((gpu.cuda_index, proc.used or 0))
+    return found
+
+
+def _rank(index: int) -> int:
+    with contextlib.suppress(Exception):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    return int(os.environ.get("RANK", index))
+
+
+def _abort_process_group() -> None:
+    """Abort (NCCL) or destroy (gloo) the default process group, so that this rank leaves no collective
+    waiting on it; in a thread, bounded, since a destroy can block on an unfinished collective."""
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+    except Exception:
+        return
+
+    def end() -> None:
+        with contextlib.suppress(Exception):
+            if dist.get_backend() == "nccl" and hasattr(dist.distributed_c10d, "_abort_process_group"):
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+
+    worker = threading.Thread(target=end, daemon=True)
+    worker.start()
+    worker.join(STOP_WAIT)
+
+
+def _traceback_frames(tb: Any) -> list[Any]:
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
+
+
+def _thread_frames(ident: int) -> list[Any]:
+    frame = sys._current_frames().get(ident)
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames
+
+
+def _state_bytes(frames: list[Any]) -> dict:
+    """Bytes of the weights, gradients and optimizer state of the models and optimizers the rank's
+    frames hold (each storage once); empty where no frame holds one."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    modules, optimizers = {}, {}
+    for frame in frames:
+        with contextlib.suppress(Exception):
+            for value in list(frame.f_locals.values()):
+                if isinstance(value, torch.nn.Module):
+                    modules[id(value)] = value
+                elif isinstance(value, torch.optim.Optimizer):
+                    optimizers[id(value)] = value
+    if not modules and not optimizers:
+        return {}
+    seen: set[int] = set()
+
+    def size(tensors: Any) -> int:
+        total = 0
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr() or id(storage)
+                if key not in seen:
+                    seen.add(key)
+                    total += storage.nbytes()
+        return total
+
+    params = [p for m in modules.values() for p in m.parameters()]
+    params += [p for o in optimizers.values() for g in o.param_groups for p in g["params"]]
+    return {
+        "params": size(params),
+        "grads": size(p.grad for p in params if p.grad is not None),
+        "optimizer_state": size(t for o in optimizers.values() for s in o.state.values() for t in s.values()),
+    }
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:
+        return repr(type(exc))

@@ -1,0 +1,132 @@
+"""Ranks started from a ``%%gpumem`` cell: each rank process records itself, and the cell gathers them.
+
+How a rank gets its recorder, without a change to the user's code: while the cell runs, the magic wraps
+the target of ``torch.multiprocessing.start_processes`` (which ``torch.multiprocessing.spawn`` and
+torch.distributed.elastic, hence ``accelerate.notebook_launcher``, call) in a ``RankTarget``, a picklable
+object of ``run.rank_process`` that opens a ``RankRecorder`` around the user's function in the child. Scripts
+started through ``!torchrun`` or ``subprocess`` are other programs; they read the same settings from the
+environment the magic sets (``OOMMAGIC_RANKS_DIR``, ``OOMMAGIC_LIMIT``, ``OOMMAGIC_DEVICE``) through one
+documented call, ``with oommagic.rank_recorder(): train()``. (A ``sitecustomize`` on ``PYTHONPATH`` would
+reach them unasked, but it would shadow the interpreter's own and run in every Python the cell starts.)
+
+Each rank writes one JSON file into a per-cell directory: ``oom-``, ``error-``, ``ok-`` or ``stopped-``.
+When one rank fails, a watcher thread in every other rank sees its file (it lists the directory every
+50 ms: a file-system call, not a memory poll), writes its own figures and ends its process, which gives its
+memory back; the failing rank waits for them (at most ``STOP_WAIT`` s), kills any that did not report,
+aborts its process group and fails. The launcher then sees the failure at once instead of the others
+waiting in their next collective until its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+from ..diagnosis.ranks import RankResult, Ranks
+from .rank_files import ENV_DEVICE, ENV_DIR, ENV_LIMIT, alive, limit_text, names, pids
+from .rank_process import RankTarget
+
+__all__ = ["RankWatch", "alive", "watch_ranks"]
+
+
+class RankWatch:
+    """For one cell: the directory the ranks report into, the environment that names it, the wrapped
+    ``start_processes``; ``gather()`` reads the ranks back and kills any still running."""
+
+    def __init__(self, limit: float | int | None, device: str) -> None:
+        self.limit = limit_text(limit)
+        self.device = "cpu" if device == "cpu" else "cuda"
+        self.directory = ""
+        self._saved_env: dict[str, str | None] = {}
+        self._patched: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> RankWatch:
+        self.directory = tempfile.mkdtemp(prefix="oommagic-ranks-")
+        values = {ENV_DIR: self.directory, ENV_LIMIT: self.limit, ENV_DEVICE: self.device}
+        for key, value in values.items():
+            self._saved_env[key] = os.environ.get(key)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._patch()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, original in reversed(self._patched):
+            setattr(owner, name, original)
+        self._patched.clear()
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _patch(self) -> None:
+        # torch.multiprocessing.spawn() calls its own module's start_processes; torch.distributed.elastic
+        # (torchrun's agent, accelerate's notebook_launcher) calls torch.multiprocessing.start_processes.
+        import torch.multiprocessing  # torch is imported by the recorder already
+
+        for owner in (torch.multiprocessing, sys.modules.get("torch.multiprocessing.spawn")):
+            if owner is not None and hasattr(owner, "start_processes"):
+                original = owner.start_processes
+                owner.start_processes = self._wrapped(original)
+                self._patched.append((owner, "start_processes", original))
+
+    def _wrapped(self, original: Any) -> Any:
+        watch = self
+
+        def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+            if not isinstance(fn, RankTarget):
+                fn = RankTarget(fn, watch.directory, watch.limit, watch.device)
+            return original(fn, args, nprocs, join, daemon, start_method)
+
+        start_processes.__doc__ = original.__doc__
+        start_processes.__wrapped__ = original  # type: ignore[attr-defined]
+        return start_processes
+
+    def gather(self, stop: bool = False) -> Ranks | None:
+        """The ranks that reported into this cell's directory (None: the cell started none). After a
+        rank failed, or with ``stop`` (the cell failed or was interrupted), a rank still running now is
+        killed and marked ``left_running``; one that wrote nothing is ``lost`` (``running`` when it was
+        left to work: started with ``join=False`` by a cell that ended well)."""
+        started, _ = pids(self.directory)
+        if not started:
+            return None
+        results: dict[int, RankResult] = {}
+        for name in names(self.directory):
+            if name.startswith("pid-"):
+                continue
+            with contextlib.suppress(OSError, ValueError, TypeError):
+                with open(os.path.join(self.directory, name)) as fh:
+                    result = RankResult.from_json(json.load(fh))
+                results[result.pid] = result
+        failed = stop or any(r.status in ("oom", "error") for r in results.values())
+        for pid in started:
+            still = alive(pid)
+            # After a failure no rank may outlive the cell; ranks started with join=False that are
+            # still working are left alone (``%gpumem`` maps their PIDs to ranks).
+            if still and failed:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if pid not in results:
+                with open(os.path.join(self.directory, f"pid-{pid}.json")) as fh:
+                    index = json.load(fh).get("index", -1)
+                status = "running" if still and not failed else "lost"
+                results[pid] = RankResult(rank=index, pid=pid, status=status, device=self.device)
+            if still and failed:
+                results[pid] = replace(results[pid], left_running=True)
+        return Ranks.of(list(results.values()))
+
+
+def watch_ranks(limit: float | int | None, device: str) -> RankWatch:
+    """The rank watch of one cell: enter it around the cell, ``gather()`` after it."""
+    return RankWatch(limit, device)
