@@ -10,7 +10,8 @@
 # curve and trace cost tables, the NVML JSON, the stage table and the summary). The summary
 # table of every goal (measured vs goal, pass/MISS) is printed last.
 #
-# Knobs: GPU_RUN_BUDGET (seconds for everything, default 525), GPU_RUN_STAGES (comma-separated stage
+# Knobs: GPU_RUN_BUDGET (seconds for everything, default 525), SCENARIOS (runner flags for the scenario
+# stage), GPU_RUN_STAGES (comma-separated stage
 # names to run, default all), GPU_RUN_NOTEBOOKS (the notebooks to run, default all), PYTHON (default python3),
 # GPU_RUN_SKIP_INSTALL=1 (use what is installed), BENCH_ARGS (extra benchmark flags, e.g. --smoke to
 # try this script on a CPU machine).
@@ -71,7 +72,13 @@ say "oommagic GPU run $(date -u +%FT%TZ) on $(hostname); budget ${BUDGET}s; whee
 
 # 1. GPU tests (~90 s): -rA lists every outcome at the end, for the summary.
 : >"$TESTLOG"
-stage "GPU tests" 110 "$TESTLOG" "$PY" -m pytest tests/gpu -s -v -rA -p no:cacheprovider -W ignore::pytest.PytestConfigWarning
+stage "GPU tests" 240 "$TESTLOG" "$PY" -m pytest tests/gpu -s -v -rA -p no:cacheprovider -W ignore::pytest.PytestConfigWarning
+
+# The scenario suite: realistic notebooks scored by clicks from the error to a fitting run
+# (benchmarks/scenarios; SCENARIOS picks some, e.g. "--only plain_loop --only hf_trainer").
+read -r -a PICK <<<"${SCENARIOS:-}"
+stage "scenarios" 560 "$RUNLOG" "$PY" benchmarks/scenarios/run.py --scale gpu "${PICK[@]}"
+stage "scan cost" 40 "$RUNLOG" "$PY" benchmarks/scan_cost.py
 
 # 2-4. Benchmarks: each writes <name>.md and <name>.png into $OUT and prints SUMMARY lines.
 stage "capture overhead" 80 "$RUNLOG" "$PY" benchmarks/capture_overhead.py --budget 60 "${EXTRA[@]}"

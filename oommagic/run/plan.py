@@ -57,7 +57,8 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
     if budget_s is None:
         budget_s = default_budget(session, run)
     if budget_s <= 0 or not candidates(run):
-        return unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else "no automatic fix")
+        plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else "no automatic fix")
+        return replace(plan, unfittable=_unfittable(plan, run)) if budget_s > 0 else plan
     measure = _Measure(session, run, budget_s)
     session.progress(
         f"%%gpumem: measuring {len(candidates(run))} fixes in at most {budget_s:.0f} s (--plan-budget): "
@@ -91,6 +92,7 @@ class _Measure:
         self.budget = run.budget
         self.margin = session.plan_margin
         self.training = bool(run.context and run.context.training)
+        self.keeps = any(f.key in ("growth", "kept") for f in run.findings)
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -147,7 +149,8 @@ class _Measure:
             if self.run.limit is None:
                 return None, "an estimate: freeing cannot be tried without a limit to raise"
             limit = self.run.limit + freed
-        if not self.training:
+        if not self.training or self.keeps:
+            # A loop that keeps tensors grows to its end: only the whole cell shows whether it fits.
             return Bounds(steps=None, seconds=self.left(), limit=limit), "trial: the whole cell"
         # Past the step where the original run failed: a later, longer batch must be part of the trial.
         done = len(self.run.recording.timeline.steps)
@@ -192,7 +195,7 @@ class _Measure:
 
         def probe(b: int) -> Trial:
             remedy = fix.batch(ctx, fig, guess, b, 1)
-            bounds = Bounds(steps=1 if self.training else None, seconds=self.left())
+            bounds = Bounds(steps=1 if self.training and not self.keeps else None, seconds=self.left())
             self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in base)}"
                                   f"{' + ' if base else ''}{guess.name}={b} (probe) …")
             attempt = self.try_((*base, remedy), bounds)
@@ -231,7 +234,7 @@ class _Measure:
             new, acc = split_batch(guess.value, max(1, min(best, safe if safe is not None else best)), True)
         remedy = fix.batch(ctx, fig, guess, new, acc)
         probes = f"{len(trials)} probes"
-        if remedy.params.get("accumulate", 1) > 1 and self.training:
+        if remedy.params.get("accumulate", 1) > 1 and self.training and not self.keeps:
             # The probes measured the micro-batch's steady state (optimizer state included) and the choice
             # keeps room for the gradients accumulating between steps; the rewritten cell itself then runs
             # two micro-batches with its accumulation, so a rewrite that breaks the cell shows here.
@@ -302,6 +305,11 @@ def _unfittable(plan: FixPlan, run: CellRun) -> str:
     """Where nothing fits: how much the cell needs by the figures, and the budget it does not fit."""
     if plan.recommended is not None or any(e.verdict == NOT_MEASURED for e in plan.entries):
         return ""
+    too_large = next((f for f in run.findings if f.key == "too_large"), None)
+    if not plan.entries and too_large is None:
+        return ""
+    if too_large is not None:
+        return f"No setting it knows makes this cell fit {format_bytes(run.budget)}: {too_large.evidence}"
     smallest = min((e.peak for e in plan.entries if e.peak), default=None)
     budget = format_bytes(run.budget) if run.budget else "the card"
     growth = next((f for f in run.findings if f.key == "growth"), None)

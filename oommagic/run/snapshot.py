@@ -40,6 +40,7 @@ class UserState:
     slots: list = field(default_factory=list)
     modes: list = field(default_factory=list)
     stateful: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
     rng: dict = field(default_factory=dict)
     nbytes: int = 0
 
@@ -92,7 +93,10 @@ class UserState:
                 state.slots.append((m, dict(m._parameters), dict(m._buffers)))
                 state.modes.append((m, m.training))
         for obj in _stateful(namespace, optimizers):
-            state.stateful.append((obj, _to_host(obj.state_dict())))
+            if obj in optimizers:
+                state.optimizers.append((obj, _optimizer_state(obj)))
+            else:
+                state.stateful.append((obj, _to_host(obj.state_dict())))
         state.rng = _rng_state()
         return state
 
@@ -129,6 +133,8 @@ class UserState:
             module.training = mode
         for obj, saved in self.stateful:
             obj.load_state_dict(copy.deepcopy(saved))
+        for opt, saved in self.optimizers:
+            _restore_optimizer(opt, saved)
         _set_rng_state(self.rng)
 
 
@@ -175,6 +181,44 @@ def _stateful(namespace: Mapping, optimizers: list) -> list:
             if module.startswith(("torch.optim.lr_scheduler", "torch.amp.grad_scaler", "torch.cuda.amp")):
                 found.setdefault(id(candidate), candidate)
     return list(found.values())
+
+
+def _optimizer_state(opt: Any) -> tuple:
+    """(per-parameter state: the same tensor objects with host copies of their values, the param groups'
+    settings): restored in place, so the state tensors stay the objects the user's optimizer holds."""
+    import torch
+
+    per_param = {}
+    for param, values in opt.state.items():
+        kept = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                kept[key] = (value, value.detach().to("cpu", copy=True))
+            else:
+                kept[key] = (None, copy.deepcopy(value))
+        per_param[param] = kept
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return per_param, groups
+
+
+def _restore_optimizer(opt: Any, saved: tuple) -> None:
+    import torch
+
+    per_param, groups = saved
+    for param in [p for p in opt.state if p not in per_param]:
+        del opt.state[param]  # state a trial created: the optimizer had none for this parameter
+    with torch.no_grad():
+        for param, kept in per_param.items():
+            values = {}
+            for key, (tensor, value) in kept.items():
+                if tensor is not None:
+                    tensor.copy_(value)
+                    values[key] = tensor
+                else:
+                    values[key] = copy.deepcopy(value)
+            opt.state[param] = values
+    for group, settings in zip(opt.param_groups, groups, strict=False):
+        group.update(copy.deepcopy(settings))
 
 
 def _to_host(state: Any) -> Any:
