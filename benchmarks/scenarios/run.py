@@ -296,12 +296,20 @@ def summary(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _one(name: str, scale: str, timeout: int, keep: Path) -> dict:
+    return judge(run_scenario(name, scale, timeout, keep))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--only", action="append", help="a scenario name (repeatable)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per cell")
-    ap.add_argument("--plan-budget", default=None, help="--plan-budget of the failing cells (default 30)")
+    ap.add_argument("--plan-budget", default=None,
+                    help="--plan-budget of the failing cells (default: 30 s on cpu, 20 s on gpu)")
+    ap.add_argument("--jobs", type=int, default=0,
+                    help="scenarios run at once, each in its own kernel (default: 1 on cpu, 4 on gpu; "
+                    "GPU-only scenarios that fill the device always run alone, last)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     names = args.only or [s.name for s in SCENARIOS]
@@ -309,17 +317,36 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown scenario(s): {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
     os.environ["SCENARIO_SCALE"] = args.scale
-    if args.plan_budget:
-        os.environ["SCENARIO_PLAN_BUDGET"] = args.plan_budget
+    os.environ["SCENARIO_PLAN_BUDGET"] = args.plan_budget or ("20" if args.scale == "gpu" else "30")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    jobs = args.jobs or (4 if args.scale == "gpu" else 1)
+    keep = out / f"scenarios-{args.scale}"
     t0 = time.perf_counter()
-    for name in names:
-        res = judge(run_scenario(name, args.scale, args.timeout, out / f"scenarios-{args.scale}"))
-        results.append(res)
+    done: dict[str, dict] = {}
+
+    def finished(res: dict) -> None:
+        done[res["name"]] = res
         print(f"[{time.perf_counter() - t0:6.1f}s] {row(res)}", file=sys.stderr, flush=True)
+
+    # Scenarios that fill the whole device run alone, after the others.
+    alone = [n for n in names if BY_NAME[n].gpu_only]
+    shared = [n for n in names if n not in alone]
+    if jobs > 1 and len(shared) > 1:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+            futures = [pool.submit(_one, n, args.scale, args.timeout, keep) for n in shared]
+            for f in as_completed(futures):
+                finished(f.result())
+    else:
+        for name in shared:
+            finished(_one(name, args.scale, args.timeout, keep))
+    for name in alone:
+        finished(_one(name, args.scale, args.timeout, keep))
+    results = [done[n] for n in names]
     total = time.perf_counter() - t0
     table = "\n".join([HEADER] + [row(r) for r in results])
     text = f"{table}\n\n{summary(results)}\n- total {total:.0f} s\n"
