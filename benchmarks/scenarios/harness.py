@@ -103,7 +103,10 @@ def install_hook() -> None:
 
 
 def before(ns) -> None:
+    import gc
+
     install_hook()
+    gc.collect()  # the level before: garbage of earlier cells (cycles) is not the failing cell's
     objs = objects(ns)
     STATE["before_mem"] = memory()
     STATE["before_refs"] = {k: weakref.ref(o) for k, o in objs.items()}
@@ -138,9 +141,13 @@ def describe(run) -> dict:
 
 
 def after(ns) -> None:
+    import gc
+
     import oommagic
 
     mem = memory()
+    gc.collect()
+    mem_gc = memory()
     still = {k: r() for k, r in STATE["before_refs"].items()}
     now = {k: checksum(o) for k, o in still.items() if o is not None}
     changed = [k for k, v in now.items() if v != STATE["before_sums"][k]]
@@ -150,6 +157,7 @@ def after(ns) -> None:
     runs = oommagic.history()
     record = {
         "after_mem": mem,
+        "after_mem_gc": mem_gc,
         "before_mem": STATE["before_mem"],
         "cell_changed": changed,
         "rebound": rebound,

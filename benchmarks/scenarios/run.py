@@ -146,6 +146,8 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
             res["objects"] = before["objects"]
             res["mem_before"] = after["before_mem"]
             res["mem_after_failures"] = [after["after_mem"] - after["before_mem"]]
+            if "after_mem_gc" in after:
+                res["mem_after_gc"] = after["after_mem_gc"] - after["before_mem"]
             res["cell_changed"] = after["cell_changed"]
             res["trial_changed"] = after["trial_changed"]
             res["trials_hooked"] = after["trials_hooked"]
