@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 
 import nbformat  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
-from scenarios import BY_NAME, SCENARIOS, notebook  # noqa: E402
+from scenarios import BY_NAME, SCENARIOS, control_source, notebook  # noqa: E402
 
 MARK = "@@SC@@"
 MAX_CLICKS = 3
@@ -113,7 +113,7 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
     if reason:
         res.update(status="skipped", reason=reason)
         return res
-    nb = notebook(name)
+    nb = notebook(name, scale)
     drv = Driver(nb, timeout)
     t_start = time.perf_counter()
     oom_index = next(i for i, c in enumerate(nb.cells) if "oom-cell" in c.metadata.get("tags", []))
@@ -187,7 +187,7 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
             res["wall_s"] = round(wall, 1) if fitted_at else None
             if s.fit and fitted_at is None and s.control:
                 limit_flag = "--limit $LIMIT " if "$LIMIT" in nb.cells[oom_index].source.splitlines()[0] else ""
-                cell, _ = drv.add(f"%%gpumem {limit_flag}--plan-budget 0 -o _control\n" + s.control.strip("\n"))
+                cell, _ = drv.add(f"%%gpumem {limit_flag}--plan-budget 0 -o _control\n" + control_source(name, scale).strip("\n"))
                 err = error_of(cell)
                 res["control"] = "fits" if err is None else f"{err.ename}: {err.evalue[:200]}"
             res["status"] = "ran"

@@ -12,6 +12,7 @@ ones that cannot fit whatever the setting.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -705,18 +706,32 @@ for _s in SCENARIOS:
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
-def notebook(name: str) -> nbformat.NotebookNode:
-    """The scenario's notebook: both scales' sizes in it, ``SCENARIO_SCALE`` picks one."""
+SIZE_REF = re.compile(r"""S\[(['"])(\w+)\1\]""")
+
+
+def literal(source: str, sizes: dict) -> str:
+    """``S["batch"]`` → ``128``: the cells read the way a person writes them, with the numbers in."""
+    return SIZE_REF.sub(lambda m: repr(sizes[m.group(2)]), source)
+
+
+def notebook(name: str, scale: str | None = None) -> nbformat.NotebookNode:
+    """The scenario's notebook at ``scale`` (default ``$SCENARIO_SCALE``, else cpu): the cells carry that
+    scale's sizes as literals; ``S`` (both scales' sizes, picked by ``SCENARIO_SCALE``) stays defined."""
+    import os
+
     s = BY_NAME[name]
+    scale = scale or os.environ.get("SCENARIO_SCALE", "cpu")
+    sizes = s.gpu if scale == "gpu" else s.cpu
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    head = f"# {s.name}\n\n{s.title}.\n\nThe fix a person would apply: {s.expect}."
+    nb.metadata["scenario"] = {"name": s.name, "scale": scale, "fit": s.fit, "expect": s.expect}
+    head = f"# {s.name} ({scale} size)\n\n{s.title}.\n\nThe fix a person would apply: {s.expect}."
     if not s.fit:
         head += "\n\nNothing fits: the report should say so and offer nothing that fails."
     cells = [nbformat.v4.new_markdown_cell(head), nbformat.v4.new_code_cell("%load_ext oommagic")]
     cells.append(nbformat.v4.new_code_cell(PREAMBLE.format(sizes=repr({"cpu": s.cpu, "gpu": s.gpu}))))
     for src in s.cells:
-        cell = nbformat.v4.new_code_cell(src)
+        cell = nbformat.v4.new_code_cell(literal(src, sizes))
         if src.startswith("%%gpumem") and "--quiet" not in src.splitlines()[0]:
             cell.metadata["tags"] = ["raises-exception", "oom-cell"]
         cells.append(cell)
@@ -726,16 +741,22 @@ def notebook(name: str) -> nbformat.NotebookNode:
     return nb
 
 
-def write_all(folder: Path) -> list[Path]:
+def control_source(name: str, scale: str) -> str:
+    s = BY_NAME[name]
+    return literal(s.control, s.gpu if scale == "gpu" else s.cpu)
+
+
+def write_all(folder: Path, scale: str = "cpu") -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     out = []
     for s in SCENARIOS:
         path = folder / f"{s.name}.ipynb"
-        nbformat.write(notebook(s.name), path)
+        nbformat.write(notebook(s.name, scale), path)
         out.append(path)
     return out
 
 
 if __name__ == "__main__":
-    for p in write_all(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "notebooks")):
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).parent / "notebooks")
+    for p in write_all(folder, sys.argv[2] if len(sys.argv) > 2 else "cpu"):
         print(p)
