@@ -93,6 +93,7 @@ def scan_namespace(
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
         leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
+        models = models + _model_being_built(error, models, source, trains, checkpointing)
         frames, scopes = failing_frames(error, namespace, source)
         return NamespaceScan(
             leftovers=leftovers,
@@ -146,6 +147,34 @@ def failing_frames(
             with contextlib.suppress(Exception):
                 scopes.append(dict(frame.f_locals))
     return tuple(frames), scopes[::-1]
+
+
+def _model_being_built(
+    error: BaseException | None, models: tuple[ModelInfo, ...], source: str, trains: bool, checkpointing: bool
+) -> tuple[ModelInfo, ...]:
+    """The model the failing line was building or moving (``model = Auto...(config).to(device)`` ran out
+    inside ``Module.to``): not bound to a name yet, it is the outermost module a failing frame works on
+    (its ``self``). Named after what the cell's failing line assigns, else ``model``."""
+    import torch
+
+    if error is None:
+        return ()
+    tb, found = error.__traceback__, None
+    while tb is not None and found is None:
+        with contextlib.suppress(Exception):
+            candidate = dict.get(tb.tb_frame.f_locals, "self")
+            if issubclass(type(candidate), torch.nn.Module):
+                found = candidate
+        tb = tb.tb_next
+    if found is None:
+        return ()
+    # Weights partly moved already count once: the whole model is what the line needs. (A model that ran
+    # out while it was being constructed has no parameters registered yet: nothing to say.)
+    total = sum(p.numel() * p.element_size() for p in found.parameters())
+    if not total or any(m.param_bytes >= total for m in models):
+        return ()
+    name = next((n for n in cell.assigned_calls(source)), "model")
+    return (_model_info(name, found, total, trains, checkpointing, None),)
 
 
 def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept, ...]:

@@ -295,6 +295,20 @@ def names_read(source: str) -> set[str]:
     return read.union(*(_IDENTIFIER.findall(line) for line in parsed.masked))
 
 
+def assigned_calls(source: str) -> list[str]:
+    """Names bound to the result of a call at the top level (``model`` in ``model = Auto...(c).to(d)``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    return [
+        t.id
+        for node in tree.body
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    ]
+
+
 def called_names(source: str) -> list[str]:
     """The dotted names of every call in the cell, in source order (``model.generate``, ``Trainer``)."""
     tree = tree_of(source)

@@ -94,11 +94,14 @@ def test_training_oom_categories_sum_to_nvml_and_match_a_hand_count(gpt2, cell, 
     cats, params = run.categories, param_bytes(gpt2.user_ns["model"])
     check_sum(cats)
     # The parameters category holds the module's buffers too (GPT-2's attention masks).
-    assert cats["parameters"] == param_bytes(gpt2.user_ns["model"], buffers=True)
-    assert cats["gradients"] == params
+    # The allocator's blocks: each tensor rounded up to its block size (512 B multiples, small ones more).
+    assert 0 <= cats["parameters"] - param_bytes(gpt2.user_ns["model"], buffers=True) <= 0.005 * params
+    assert 0 <= cats["gradients"] - params <= 0.005 * params
     # exp_avg and exp_avg_sq per parameter; AdamW's `step` counters live on the CPU unless capturable.
-    assert 0 <= cats["optimizer"] - 2 * params <= 1 * MiB
-    assert cats["activations"] > 0 and cats["kv_cache"] == 0
+    assert 0 <= cats["optimizer"] - 2 * params <= 0.005 * 2 * params
+    # GPT-2 returns its key/value cache in training too (use_cache defaults on): those tensors are the
+    # KV cache category, the rest of the step's tensors activations.
+    assert cats["activations"] > 0
     unused = run.report.reserved_unallocated
     assert unused is None or abs(cats["cache"] - unused) <= rounding(unused)
     assert run.snapshot_ms is not None
@@ -111,7 +114,8 @@ def test_generation_oom_puts_the_kv_cache_in_its_own_category(gpt2, cell):
     report(run)
     cats = run.categories
     check_sum(cats)
-    assert cats["parameters"] == param_bytes(gpt2.user_ns["model"])
+    params = param_bytes(gpt2.user_ns["model"], buffers=True)
+    assert 0 <= cats["parameters"] - params <= 0.005 * params
     # Most of what the generation held was its cache.
     assert cats["kv_cache"] > 2 * GiB and cats["kv_cache"] > cats["activations"]
 

@@ -49,10 +49,13 @@ def test_a_plain_cells_oom_pins_memory_and_gpumem_free_gives_it_back(shell, cell
     with capture_output() as cap:
         shell.run_cell("%gpumem")
     print(cap.stdout)
-    assert "sys.last_value (OutOfMemoryError) → traceback → fill_plain() → local 'held'" in cap.stdout
+    listed = cap.stdout
     with capture_output() as cap:
-        shell.run_cell("%gpumem --free")
+        shell.run_cell("%gpumem --free")  # first: a failed assertion must not leave 24 GiB to the next tests
     print(cap.stdout)
+    # Python 3.12 keeps the error as sys.last_exc, earlier ones as sys.last_value.
+    assert "(OutOfMemoryError) → traceback → fill_plain() → local 'held'" in listed
+    assert "sys.last_exc" in listed or "sys.last_value" in listed
     assert "given back on cuda:" in cap.stdout
     assert torch.cuda.memory_allocated() - before <= 2 * MiB
 
