@@ -96,7 +96,7 @@ def test_training_oom_categories_sum_to_nvml_and_match_a_hand_count(gpt2, cell, 
     # The parameters category holds the module's buffers too (GPT-2's attention masks).
     # The allocator's blocks: each tensor rounded up to its block size (512 B multiples, small ones more).
     assert 0 <= cats["parameters"] - param_bytes(gpt2.user_ns["model"], buffers=True) <= 0.005 * params
-    assert 0 <= cats["gradients"] - params <= 0.005 * params
+    assert 0 <= cats["gradients"] - params <= 0.01 * params
     # exp_avg and exp_avg_sq per parameter; AdamW's `step` counters live on the CPU unless capturable.
     assert 0 <= cats["optimizer"] - 2 * params <= 0.005 * 2 * params
     # GPT-2 returns its key/value cache in training too (use_cache defaults on): those tensors are the

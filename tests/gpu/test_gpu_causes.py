@@ -65,15 +65,19 @@ def test_inference_with_autograd_on_fits_under_inference_mode(shell, cell):
         "deep_gpu = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096), torch.nn.ReLU()] * 16).cuda()\n"
         "x_gpu = torch.randn(8192, 4096, device='cuda')\n"
     )
-    cell("%%gpumem --limit 3GiB --plan-budget 0 --quiet\nout_gpu = deep_gpu(x_gpu)\nprint(out_gpu.shape)\n")
-    run = last_run()
-    assert run.outcome == "oom", run.headline()
-    assert "autograd" in {f.key for f in run.findings}
-    new = session_for(shell).retry(run, fix_of(run, "no_grad"))
-    print(new.headline())
-    assert new.outcome == "ok"
-    for name in ("deep_gpu", "x_gpu", "out_gpu"):
-        shell.user_ns.pop(name, None)
+    try:
+        # Weights 1 GiB, the input 128 MiB: 16 layers' activations with their graph do not fit 2 GiB more.
+        cell("%%gpumem --limit 2GiB --plan-budget 0 --quiet\nout_gpu = deep_gpu(x_gpu)\nprint(out_gpu.shape)\n")
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        assert "autograd" in {f.key for f in run.findings}
+        new = session_for(shell).retry(run, fix_of(run, "no_grad"))
+        print(new.headline())
+        assert new.outcome == "ok"
+    finally:
+        for name in ("deep_gpu", "x_gpu", "out_gpu"):
+            shell.user_ns.pop(name, None)
+        shell.run_line_magic("gpumem", "--free")
 
 
 def test_outputs_kept_across_iterations_move_to_the_host(shell, cell):
@@ -95,13 +99,3 @@ def test_outputs_kept_across_iterations_move_to_the_host(shell, cell):
         shell.user_ns.pop(name, None)
 
 
-def test_expandable_segments_are_switched_on_live_and_back_off(shell, cell):
-    from oommagic.diagnosis.context import expandable_segments_on
-    from oommagic.diagnosis.findings import Remedy
-    from oommagic.run.fixes import holding
-
-    fix = Remedy("expandable_segments", "Expandable segments", automatic=True)
-    was = expandable_segments_on()
-    with holding(fix, shell, "cuda:0"):
-        assert expandable_segments_on()
-    assert expandable_segments_on() == was
