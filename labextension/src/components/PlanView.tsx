@@ -36,10 +36,7 @@ export function PlanView({
       {rows.length ? (
         <ol className="oommagic-plan-entries">
           {rows.map(({ index, entry, recommended, runnable }) => {
-            const body = sourceToWrite(
-              entry,
-              fittedRunOf(run, entry, retries)
-            );
+            const body = sourceToWrite(entry, fittedRunOf(run, entry, retries));
             const verdict = entry.verdict.replace(/ /g, '-');
             return (
               <li

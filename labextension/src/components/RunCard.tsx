@@ -174,7 +174,10 @@ export function RunCard({
           ))}
         </ul>
       ) : null}
-      {fits && live && cellPresent && live.source !== (live.original ?? live.source) ? (
+      {fits &&
+      live &&
+      cellPresent &&
+      live.source !== (live.original ?? live.source) ? (
         <div className="oommagic-actions">
           <button
             type="button"
