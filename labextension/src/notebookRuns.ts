@@ -10,7 +10,7 @@ import { IDisposable } from '@lumino/disposable';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import { KernelComm } from './kernelComm';
-import { clearsParentError } from './plan';
+import { clearsCellError } from './plan';
 import { ActionRequest, CellRunJson, KernelMessage } from './protocol';
 import { listRuns, mergeLive, RunEntry, SavedCell } from './runs';
 import { removeOutOfMemoryErrors } from './staleError';
@@ -177,14 +177,13 @@ export class NotebookRuns implements IDisposable {
     }
     this._pending.delete(run.parent);
     this._refusals.delete(run.parent);
+    if (!clearsCellError(run, this._live)) {
+      return;
+    }
     const cells = this.panel.model?.cells;
-    const parent = this._live.find(r => r.id === run.parent);
     for (let i = 0; cells && i < cells.length; i++) {
       const cell = cells.get(i);
-      if (
-        cell.id === run.cell_id &&
-        clearsParentError(run, parent, executionCountOf(cell))
-      ) {
+      if (cell.id === run.cell_id) {
         removeOutOfMemoryErrors(cell);
       }
     }

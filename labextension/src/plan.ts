@@ -75,25 +75,44 @@ export function fitsWithFixes(run: CellRunJson): boolean {
   return run.outcome === 'ok' && run.parent !== null && run.applied.length > 0;
 }
 
-/**
- * Whether `run`'s arrival makes the error its parent left in the cell stale: it fits with fixes, and
- * its parent is a failed run of the same cell. Only the parent's own execution may have left that
- * error: when the cell ran again since (another execution count), its outputs are not the parent's.
- */
-export function clearsParentError(
+/** The run the user started that `run` descends from (following `parent` through `live`). */
+export function rootOf(
   run: CellRunJson,
-  parent: CellRunJson | undefined,
-  cellExecutionCount: number | null
+  live: readonly CellRunJson[]
+): CellRunJson {
+  const byId = new Map(live.map(r => [r.id, r]));
+  let root = run;
+  const seen = new Set<string>();
+  while (root.parent !== null && !seen.has(root.id)) {
+    seen.add(root.id);
+    const parent = byId.get(root.parent);
+    if (!parent) {
+      break;
+    }
+    root = parent;
+  }
+  return root;
+}
+
+/**
+ * Whether `run`'s arrival makes the error in its cell stale: it fits with fixes, and it descends from
+ * a failed execution of the same cell that is still the cell's latest (only that execution left an
+ * error in the cell's outputs; the kernel's actions run the cell without writing to it). When the user
+ * ran the cell again since, its outputs are another execution's and stay.
+ */
+export function clearsCellError(
+  run: CellRunJson,
+  live: readonly CellRunJson[]
 ): boolean {
-  if (!fitsWithFixes(run) || !parent || run.cell_id === null) {
+  if (!fitsWithFixes(run) || run.cell_id === null) {
     return false;
   }
-  if (parent.cell_id !== run.cell_id || parent.outcome === 'ok') {
+  const root = rootOf(run, live);
+  if (root === run || root.cell_id !== run.cell_id || root.outcome === 'ok') {
     return false;
   }
-  return (
-    parent.execution_count === null ||
-    cellExecutionCount === null ||
-    parent.execution_count === cellExecutionCount
+  return !live.some(
+    r =>
+      r.parent === null && r.cell_id === run.cell_id && r.started > root.started
   );
 }

@@ -14,10 +14,11 @@ import { CategoryBar } from '../src/components/CategoryBar';
 import { RankTable } from '../src/components/RankTable';
 import { RunCard } from '../src/components/RunCard';
 import {
-  clearsParentError,
+  clearsCellError,
   fitsWithFixes,
   fittedRunOf,
   planRows,
+  rootOf,
   sourceToWrite
 } from '../src/plan';
 import { CellRunJson, PlanEntryJson, RankJson } from '../src/protocol';
@@ -109,8 +110,8 @@ describe('what "Apply to cell" writes', () => {
 });
 
 describe('a run that fits after a fix', () => {
-  const parent = { ...failed, cell_id: 'c1', execution_count: 2 };
-  const child = { ...fitted, execution_count: 2 };
+  const parent = { ...failed, cell_id: 'c1', started: 100 };
+  const child = { ...fitted, started: 110 };
 
   it('is a child run with fixes in force and outcome ok', () => {
     expect(fitsWithFixes(child)).toBe(true);
@@ -118,18 +119,23 @@ describe('a run that fits after a fix', () => {
     expect(fitsWithFixes({ ...child, applied: [] })).toBe(false);
   });
 
-  it("makes the parent's error in the same cell stale", () => {
-    expect(clearsParentError(child, parent, 2)).toBe(true);
-    expect(clearsParentError(child, parent, null)).toBe(true);
+  it('makes the error of the failed execution it descends from stale', () => {
+    expect(clearsCellError(child, [parent, child])).toBe(true);
+    // Through a retry that failed too (an entry not measured).
+    const between = { ...child, id: 'between', outcome: 'oom' as const };
+    const last = { ...child, id: 'last', parent: 'between', started: 120 };
+    expect(rootOf(last, [parent, between, last])).toBe(parent);
+    expect(clearsCellError(last, [parent, between, last])).toBe(true);
   });
 
   it("leaves another cell's outputs, and a cell that ran again since, alone", () => {
-    expect(clearsParentError(child, { ...parent, cell_id: 'c2' }, 2)).toBe(
+    expect(clearsCellError(child, [{ ...parent, cell_id: 'c2' }, child])).toBe(
       false
     );
-    expect(clearsParentError(child, parent, 3)).toBe(false);
-    expect(clearsParentError(child, undefined, 2)).toBe(false);
-    expect(clearsParentError({ ...child, outcome: 'oom' }, parent, 2)).toBe(
+    const rerun = { ...parent, id: 'rerun', started: 105 };
+    expect(clearsCellError(child, [parent, rerun, child])).toBe(false);
+    expect(clearsCellError(child, [child])).toBe(false);
+    expect(clearsCellError({ ...child, outcome: 'oom' }, [parent, child])).toBe(
       false
     );
   });
