@@ -103,6 +103,21 @@ export const anyObject: Reader<Record<string, unknown>> = (
   return {};
 };
 
+/**
+ * A field a kernel may leave out (one that newer kernels add): absent is `undefined` and no problem;
+ * present, it is read by `read`.
+ */
+export function optional<T>(read: Reader<T>): Reader<T | undefined> {
+  const reader: Reader<T | undefined> = (value, at, problems) =>
+    value === undefined ? undefined : read(value, at, problems);
+  return Object.assign(reader, { optional: true });
+}
+
+/** Whether `read` was made by `optional`: a record leaves the field out when it is absent. */
+export function isOptional(read: Reader<unknown>): boolean {
+  return (read as { optional?: boolean }).optional === true;
+}
+
 /** `null`, or a value `read` accepts; a mistyped value becomes null. */
 export function nullable<T>(read: Reader<T>): Reader<T | null> {
   return (value, at, problems) => {
@@ -170,6 +185,8 @@ export function record<T>(shape: Shape<T>): Reader<T> {
       const path = at ? `${at}.${key}` : key;
       if (key in data) {
         out[key] = shape[key](data[key], path, problems);
+      } else if (isOptional(shape[key])) {
+        continue;
       } else {
         problems.push(`${path}: missing`);
         out[key] = shape[key](undefined, path, []);

@@ -15,6 +15,7 @@ import { IDisposable } from '@lumino/disposable';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import {
+  ActionRequest,
   COMM_TARGET,
   KernelMessage as OommagicMessage,
   parseKernelMessage,
@@ -44,6 +45,16 @@ export class KernelComm implements IDisposable {
 
   get isDisposed(): boolean {
     return this._isDisposed;
+  }
+
+  /** Send an action to the kernel; false when no comm is open (no `%%gpumem` run in this kernel yet). */
+  send(request: ActionRequest): boolean {
+    const comm = this._comm;
+    if (!comm || comm.isDisposed) {
+      return false;
+    }
+    comm.send({ ...request });
+    return true;
   }
 
   dispose(): void {

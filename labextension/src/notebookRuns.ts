@@ -10,8 +10,10 @@ import { IDisposable } from '@lumino/disposable';
 import { ISignal, Signal } from '@lumino/signaling';
 
 import { KernelComm } from './kernelComm';
-import { CellRunJson, KernelMessage } from './protocol';
+import { clearsCellError } from './plan';
+import { ActionRequest, CellRunJson, KernelMessage } from './protocol';
 import { listRuns, mergeLive, RunEntry, SavedCell } from './runs';
+import { removeOutOfMemoryErrors } from './staleError';
 import {
   KEEP,
   mergeSaved,
@@ -51,6 +53,33 @@ export class NotebookRuns implements IDisposable {
 
   get notices(): readonly string[] {
     return this._notices;
+  }
+
+  /** What the kernel is doing for a run, by run id ("running with: Batch 64 → 12"), until it answers. */
+  get pending(): ReadonlyMap<string, string> {
+    return this._pending;
+  }
+
+  /** The kernel's refusal of the last action on a run, by run id. */
+  get refusals(): ReadonlyMap<string, string> {
+    return this._refusals;
+  }
+
+  /**
+   * Ask the kernel to run `request` (apply a plan entry, remove a fix) on its run; `doing` is what the
+   * card says meanwhile. The answer is a new run (its `parent` is the run) or a refusal.
+   */
+  ask(request: ActionRequest, doing: string): void {
+    this._refusals.delete(request.run);
+    if (this.comm.send(request)) {
+      this._pending.set(request.run, doing);
+    } else {
+      this._refusals.set(
+        request.run,
+        'The kernel of this run is gone (restarted or changed): run the cell again.'
+      );
+    }
+    this._changed.emit();
   }
 
   get isDisposed(): boolean {
@@ -106,6 +135,17 @@ export class NotebookRuns implements IDisposable {
   }
 
   private _onMessage(_: KernelComm, message: KernelMessage): void {
+    if (message.kind === 'error') {
+      const id = message.run ?? '';
+      this._pending.delete(id);
+      if (this._live.some(r => r.id === id)) {
+        this._refusals.set(id, message.message);
+      } else {
+        this.notify(`The kernel could not do that: ${message.message}`);
+      }
+      this._changed.emit();
+      return;
+    }
     if (message.kind === 'unknown') {
       console.warn(`oommagic: ${message.notice}: ${message.detail}`);
       this.notify(message.notice);
@@ -124,11 +164,35 @@ export class NotebookRuns implements IDisposable {
         ? mergeLive([], runs)
         : mergeLive(this._live, runs);
     this._save(runs);
+    if (message.kind === 'run') {
+      this._answered(message.run);
+    }
     this._changed.emit();
+  }
+
+  /** A new run ends what was pending on its parent; one that fits takes the parent's error away. */
+  private _answered(run: CellRunJson): void {
+    if (run.parent === null) {
+      return;
+    }
+    this._pending.delete(run.parent);
+    this._refusals.delete(run.parent);
+    if (!clearsCellError(run, this._live)) {
+      return;
+    }
+    const cells = this.panel.model?.cells;
+    for (let i = 0; cells && i < cells.length; i++) {
+      const cell = cells.get(i);
+      if (cell.id === run.cell_id) {
+        removeOutOfMemoryErrors(cell);
+      }
+    }
   }
 
   private _onReset(): void {
     this._live = [];
+    this._pending.clear();
+    this._refusals.clear();
     this._changed.emit();
   }
 
@@ -167,6 +231,8 @@ export class NotebookRuns implements IDisposable {
 
   private _live: CellRunJson[] = [];
   private _notices: string[] = [];
+  private _pending = new Map<string, string>();
+  private _refusals = new Map<string, string>();
   private _isDisposed = false;
   private _changed = new Signal<this, void>(this);
 }

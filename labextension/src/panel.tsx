@@ -13,7 +13,7 @@ import { GpuPanelView, INotebookView } from './components/GpuPanelView';
 import { DeviceFeed } from './deviceFeed';
 import { gpuIcon } from './icon';
 import { NotebookRuns } from './notebookRuns';
-import { RemedyJson } from './protocol';
+import { applyRequest, RemedyJson, removeRequest } from './protocol';
 import { RunEntry } from './runs';
 import { DEFAULT_SETTINGS, PanelSettings } from './settings';
 
@@ -90,6 +90,21 @@ export class GpuPanel extends ReactWidget {
           void this._act(entry, panel => retryCell(panel, entry.cellId))
         }
         onApply={(entry, remedy) => void this._apply(entry, remedy)}
+        onWrite={(entry, body) =>
+          void this._act(entry, panel => applyFix(panel, entry.cellId, body))
+        }
+        onRunPlanEntry={(entry, index, title) =>
+          this._runs?.ask(
+            applyRequest(entry.run.id, index),
+            `running with: ${title}`
+          )
+        }
+        onRemoveFix={(entry, index, title) =>
+          this._runs?.ask(
+            removeRequest(entry.run.id, index),
+            `running without: ${title}`
+          )
+        }
       />
     );
   }
@@ -145,7 +160,9 @@ export class GpuPanel extends ReactWidget {
           : 'no kernel',
       entries: runs.entries(),
       cellIds,
-      notices: runs.notices
+      notices: runs.notices,
+      pending: runs.pending,
+      refusals: runs.refusals
     };
   }
 

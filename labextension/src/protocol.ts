@@ -4,8 +4,12 @@
  *
  * The kernel opens the comm (target `oommagic`) with `{"version":1,"type":"hello","runs":[...]}` (all
  * runs so far) and then sends `{"version":1,"type":"run","run":{...}}` after each run; the frontend
- * sends `{"type":"sync"}` to have the hello sent again. Parsing never throws: anything else becomes an
- * `unknown` message whose notice the panel shows in one line.
+ * sends `{"type":"sync"}` to have the hello sent again. The sidebar's actions are
+ * `{"type":"apply","run":<id>,"entry":<k>}` (run the cell with plan entry k stacked on the fixes in
+ * force) and `{"type":"remove","run":<id>,"index":<i>}` (run it without `applied[i]`); the new run
+ * arrives as a `run` message whose `parent` is `<id>`, a refusal as
+ * `{"version":1,"type":"error","run":<id>,"message":"..."}`. Parsing never throws: anything else becomes
+ * an `unknown` message whose notice the panel shows in one line.
  *
  * `test/fixtures/cellrun.json` holds runs that Python's `CellRun.to_json()` wrote
  * (`tests/test_protocol_fixture.py` checks it still does); `test/contract.spec.tsx` reads them here
@@ -14,6 +18,7 @@
 
 import {
   anyObject,
+  optional,
   describe,
   flag,
   integer,
@@ -86,6 +91,71 @@ export interface OOMReportJson {
   emulated: boolean;
 }
 
+export type Verdict = 'fits' | 'does not fit' | 'not measured';
+
+export const VERDICTS: readonly Verdict[] = [
+  'fits',
+  'does not fit',
+  'not measured'
+];
+
+/** One candidate of the fix plan: fixes stacked on those in force, and what its trial measured. */
+export interface PlanEntryJson {
+  /** `"batch"`, or `"checkpointing+batch"` for a combination. */
+  kind: string;
+  title: string;
+  fixes: RemedyJson[];
+  verdict: Verdict;
+  /** Peak reserved bytes of the trial (a lower bound where it ran out), null when not measured. */
+  peak: number | null;
+  budget: number | null;
+  seconds_per_step: number | null;
+  /** Time per step against the failed run's, null when not measured. */
+  time_ratio: number | null;
+  method: string;
+  note: string;
+  /** The verdict with its figures, as the kernel's report writes it. */
+  line: string;
+}
+
+/** The fix plan measured after an out-of-memory error: entries in order, the first that fits first. */
+export interface FixPlanJson {
+  entries: PlanEntryJson[];
+  summary: string;
+  budget_s: number;
+  spent_s: number;
+  trials: number;
+  snapshot_bytes: number;
+  stopped: boolean;
+  /** Why nothing the plan knows fits; empty when something does. */
+  unfittable: string;
+  notes: string[];
+}
+
+/** Bytes of one kind of memory (parameters, gradients, activations, ...) at the run's moment. */
+export interface CategoryJson {
+  key: string;
+  label: string;
+  bytes: number;
+}
+
+/** One process of a distributed run. */
+export interface RankJson {
+  rank: number;
+  device: string;
+  pid: number;
+  peak_allocated: number;
+  peak_reserved: number;
+  /** Bytes outside PyTorch, null when unknown. */
+  outside: number | null;
+  oom: boolean;
+  requested: number | null;
+  /** The rank whose request failed first. */
+  first_failed: boolean;
+  /** The rank with the least headroom. */
+  bottleneck: boolean;
+}
+
 /** A name the failed cell had bound to device memory, dropped with its attempt: `[name, bytes]`. */
 export type DroppedJson = [name: string, bytes: number];
 
@@ -95,9 +165,14 @@ export interface CellRunJson {
   id: string;
   /** The run this one retried, if it is a retry. */
   parent: string | null;
+  /** What ran: the cell's body with the fixes in force written in. */
   source: string;
+  /** The body as the person wrote it; null when it is `source`. */
+  original: string | null;
   device: string;
   options: Record<string, unknown>;
+  /** The fixes in force for this run, in the order they were applied. */
+  applied: RemedyJson[];
   execution_count: number | null;
   /** The notebook cell's model id (JupyterLab sends it with the execute request). */
   cell_id: string | null;
@@ -122,17 +197,42 @@ export interface CellRunJson {
   dropped: DroppedJson[];
   error: string | null;
   findings: FindingJson[];
-  /** What a retry changed ("Batch 64 → 32"), null for a run the user started. */
+  /** The measured fix plan of an out-of-memory run, else null. */
+  plan: FixPlanJson | null;
+  /** The fixes in force, as one line ("Batch 64 → 32"), null when none. */
   change: string | null;
+  /** The bytes the run could use (newer kernels); else `budgetOf` reads limit and capacity. */
+  budget?: number | null;
+  /** Memory by category (newer kernels). */
+  categories?: CategoryJson[];
+  /** One row per process of a distributed run (newer kernels). */
+  ranks?: RankJson[];
 }
 
 export type KernelMessage =
   | { kind: 'hello'; runs: CellRunJson[]; problems: string[] }
   | { kind: 'run'; run: CellRunJson; problems: string[] }
+  /** The kernel could not do a sidebar action on run `run`. */
+  | { kind: 'error'; run: string | null; message: string }
   | { kind: 'unknown'; notice: string; detail: string };
 
-/** The one message the frontend sends: ask the kernel to send its hello again. */
+/** Ask the kernel to send its hello again. */
 export const SYNC_REQUEST = { type: 'sync' } as const;
+
+/** What the sidebar asks the kernel to do with a run. */
+export type ActionRequest =
+  | { type: 'apply'; run: string; entry: number }
+  | { type: 'remove'; run: string; index: number };
+
+/** Run `run`'s cell again with its plan entry `entry` stacked on the fixes in force. */
+export function applyRequest(run: string, entry: number): ActionRequest {
+  return { type: 'apply', run, entry };
+}
+
+/** Run `run`'s cell again without `applied[index]`. */
+export function removeRequest(run: string, index: number): ActionRequest {
+  return { type: 'remove', run, index };
+}
 
 export const OUTCOMES: readonly Outcome[] = [
   'ok',
@@ -170,6 +270,47 @@ const FINDING: Shape<FindingJson> = {
   remedies: listOf(record(REMEDY))
 };
 
+const PLAN_ENTRY: Shape<PlanEntryJson> = {
+  kind: text,
+  title: text,
+  fixes: listOf(record(REMEDY)),
+  verdict: oneOf(VERDICTS, 'not measured'),
+  peak: maybeBytes,
+  budget: maybeBytes,
+  seconds_per_step: nullable(real),
+  time_ratio: nullable(real),
+  method: text,
+  note: text,
+  line: text
+};
+
+const FIX_PLAN: Shape<FixPlanJson> = {
+  entries: listOf(record(PLAN_ENTRY)),
+  summary: text,
+  budget_s: real,
+  spent_s: real,
+  trials: integer,
+  snapshot_bytes: bytes,
+  stopped: flag,
+  unfittable: text,
+  notes: listOf(text)
+};
+
+const CATEGORY: Shape<CategoryJson> = { key: text, label: text, bytes };
+
+const RANK: Shape<RankJson> = {
+  rank: integer,
+  device: text,
+  pid: integer,
+  peak_allocated: bytes,
+  peak_reserved: bytes,
+  outside: maybeBytes,
+  oom: flag,
+  requested: maybeBytes,
+  first_failed: flag,
+  bottleneck: flag
+};
+
 const OOM_REPORT: Shape<OOMReportJson> = {
   text,
   device: nullable(text),
@@ -203,8 +344,10 @@ export const CELL_RUN: Shape<CellRunJson> = {
   id: text,
   parent: nullable(text),
   source: text,
+  original: nullable(text),
   device: text,
   options: anyObject,
+  applied: listOf(record(REMEDY)),
   execution_count: nullable(integer),
   cell_id: nullable(text),
   started: real,
@@ -226,7 +369,11 @@ export const CELL_RUN: Shape<CellRunJson> = {
   dropped: listOf(pair(text, bytes)),
   error: nullable(text),
   findings: listOf(record(FINDING)),
-  change: nullable(text)
+  plan: nullable(record(FIX_PLAN)),
+  change: nullable(text),
+  budget: optional(maybeBytes),
+  categories: optional(listOf(record(CATEGORY))),
+  ranks: optional(listOf(record(RANK)))
 };
 
 /** Read a comm message's `data`; never throws. */
@@ -259,6 +406,16 @@ export function parseKernelMessage(data: unknown): KernelMessage {
       ? { kind: 'run', run: checked.value, problems: checked.problems }
       : unknown(version, 'run without a valid run record');
   }
+  if (data.type === 'error') {
+    return {
+      kind: 'error',
+      run: typeof data.run === 'string' ? data.run : null,
+      message:
+        typeof data.message === 'string' && data.message
+          ? data.message
+          : 'the kernel could not do that'
+    };
+  }
   return unknown(version, `unknown type ${describe(data.type)}`);
 }
 
@@ -281,12 +438,16 @@ export function parseCellRun(value: unknown): CellRunJson | null {
   return checkCellRun(value)?.value ?? null;
 }
 
-/** The bytes a run could use: its limit if one was set, else the card's capacity. */
+/**
+ * The bytes a run could use: the kernel's own `budget` where it sends one, else the limit if one was
+ * set, else the card's capacity.
+ */
 export function budgetOf(run: {
+  budget?: number | null;
   limit: number | null;
   capacity: number | null;
 }): number | null {
-  return run.limit ?? run.capacity;
+  return run.budget ?? run.limit ?? run.capacity;
 }
 
 /** The timeline's lists, cut to a common length so that the sparkline can zip them. */

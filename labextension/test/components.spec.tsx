@@ -7,6 +7,7 @@ import { RunCard } from '../src/components/RunCard';
 import { DeviceState, parseDevices } from '../src/devices';
 import { listRuns } from '../src/runs';
 import { DEFAULT_SETTINGS, PanelSettings } from '../src/settings';
+import { cardProps } from './cardProps';
 import { oomRun } from './fixtures';
 
 const GiB = 2 ** 30;
@@ -99,20 +100,9 @@ describe('DeviceList', () => {
 });
 
 describe('RunCard', () => {
-  const noop = (): void => undefined;
-
   it('shows an OOM run with its headline, finding, sparkline and fix button', () => {
     const [entry] = listRuns([oomRun()], []);
-    const html = renderToStaticMarkup(
-      <RunCard
-        entry={entry}
-        cellPresent
-        busy={false}
-        onReveal={noop}
-        onRetry={noop}
-        onApply={noop}
-      />
-    );
+    const html = renderToStaticMarkup(<RunCard {...cardProps(entry)} />);
     expect(html).toContain('[2]');
     expect(html).toContain('OOM');
     expect(html).toContain(
@@ -130,17 +120,12 @@ describe('RunCard', () => {
   it('offers no fix for a cell that is not in the notebook', () => {
     const [entry] = listRuns([oomRun()], []);
     const html = renderToStaticMarkup(
-      <RunCard
-        entry={entry}
-        cellPresent={false}
-        busy={false}
-        onReveal={noop}
-        onRetry={noop}
-        onApply={noop}
-      />
+      <RunCard {...cardProps(entry, { cellPresent: false })} />
     );
     expect(html).not.toContain('oommagic-apply');
     expect(html).not.toContain('Retry cell');
+    // The kernel still has the run: it can run the cell with a fix.
+    expect(html).toContain('Run with this fix');
   });
 });
 
@@ -156,6 +141,9 @@ function render(settings: PanelSettings): string {
       onReveal={() => undefined}
       onRetry={() => undefined}
       onApply={() => undefined}
+      onWrite={() => undefined}
+      onRunPlanEntry={() => undefined}
+      onRemoveFix={() => undefined}
     />
   );
 }

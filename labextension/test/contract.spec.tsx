@@ -14,6 +14,8 @@ import {
   parseCellRun,
   parseKernelMessage
 } from '../src/protocol';
+import { isOptional } from '../src/json';
+import { fittedRunOf, planRows, sourceToWrite } from '../src/plan';
 import { listRuns } from '../src/runs';
 import { KERNEL_RUNS, kernelRun } from './fixtures';
 
@@ -35,8 +37,10 @@ describe('runs written by CellRun.to_json()', () => {
 
   it.each(NAMES)('%s: every declared field is there with its type', name => {
     const raw = KERNEL_RUNS[name] as Record<string, unknown>;
-    for (const field of Object.keys(CELL_RUN)) {
-      expect(raw).toHaveProperty([field]);
+    for (const [field, read] of Object.entries(CELL_RUN)) {
+      if (!isOptional(read)) {
+        expect(raw).toHaveProperty([field]);
+      }
     }
     expect(checkCellRun(raw)?.problems).toEqual([]);
   });
@@ -72,6 +76,32 @@ describe('runs written by CellRun.to_json()', () => {
     ]);
   });
 
+  it('carry the measured plan of an out-of-memory run, the fitting entry first', () => {
+    const failed = kernelRun('oom_batch');
+    const [first] = planRows(failed);
+    expect(first).toMatchObject({
+      index: 0,
+      recommended: true,
+      runnable: true
+    });
+    expect(first.entry.verdict).toBe('fits');
+    expect(first.entry.line).toMatch(/^fits — peak [\d.]+ MiB of 64\.00 MiB/);
+    expect(sourceToWrite(first.entry, null)).toMatch(/^batch_size = 12\n/);
+    expect(kernelRun('cuda_oom').plan?.entries).toEqual([]);
+  });
+
+  it('carry the fixes in force of the run the plan made, and the cell as written', () => {
+    const failed = kernelRun('oom_batch');
+    const retry = kernelRun('retry');
+    const entry = failed.plan!.entries[0];
+    expect(retry.applied.map(f => f.title)).toEqual([entry.title]);
+    expect(retry.original).toBe(failed.source);
+    expect(retry.source).toBe(entry.fixes[0].new_source);
+    expect(fittedRunOf(failed, entry, [retry])).toBe(retry);
+    expect(failed.applied).toEqual([]);
+    expect(failed.original).toBeNull();
+  });
+
   it('carry a remedy that rewrites the cell', () => {
     const remedies = kernelRun('oom_batch').findings.flatMap(f => f.remedies);
     const batch = remedies.find(r => r.kind === 'batch');
@@ -103,17 +133,61 @@ describe('the parser', () => {
   const raw = KERNEL_RUNS.oom_batch as Record<string, unknown>;
 
   it('ignores the fields a newer kernel adds', () => {
-    const newer = {
-      ...raw,
-      applied: ['expandable_segments'],
-      plan: { first: 'batch' },
-      categories: { activations: 64 * MiB },
-      ranks: [0, 1]
-    };
+    const newer = { ...raw, shards: [0, 1], compiled: { mode: 'max' } };
     const checked = checkCellRun(newer);
     expect(checked?.problems).toEqual([]);
     expect(checked?.value).toEqual(parseCellRun(raw));
-    expect(checked?.value).not.toHaveProperty('plan');
+    expect(checked?.value).not.toHaveProperty('shards');
+  });
+
+  it('leaves out categories, ranks and budget when the kernel sends none', () => {
+    const run = kernelRun('oom_batch');
+    expect(run).not.toHaveProperty('categories');
+    expect(run).not.toHaveProperty('ranks');
+    expect(run).not.toHaveProperty('budget');
+  });
+
+  it('reads categories, ranks and budget when the kernel sends them', () => {
+    const categories = [
+      { key: 'parameters', label: 'parameters', bytes: 8 * MiB },
+      { key: 'activations', label: 'activations', bytes: 56 * MiB }
+    ];
+    const ranks = [
+      {
+        rank: 1,
+        device: 'cuda:1',
+        pid: 4243,
+        peak_allocated: 60 * MiB,
+        peak_reserved: 64 * MiB,
+        outside: null,
+        oom: true,
+        requested: 256 * MiB,
+        first_failed: true,
+        bottleneck: true
+      }
+    ];
+    const checked = checkCellRun({
+      ...raw,
+      categories,
+      ranks,
+      budget: 64 * MiB
+    });
+    expect(checked?.problems).toEqual([]);
+    expect(checked?.value.categories).toEqual(categories);
+    expect(checked?.value.ranks).toEqual(ranks);
+    expect(checked?.value.budget).toBe(64 * MiB);
+  });
+
+  it('names categories of another shape as a problem, and keeps the run', () => {
+    const checked = checkCellRun({
+      ...raw,
+      categories: { activations: 64 * MiB }
+    });
+    expect(checked?.problems).toEqual([
+      'run run-1.categories: expected a list, got {"activations":67108864}'
+    ]);
+    expect(checked?.value.categories).toEqual([]);
+    expect(checked?.value.peak_reserved).toBe(64 * MiB);
   });
 
   it('names a declared field that is missing or mistyped', () => {

@@ -1,4 +1,9 @@
-import { parseCellRun, parseKernelMessage } from '../src/protocol';
+import {
+  applyRequest,
+  parseCellRun,
+  parseKernelMessage,
+  removeRequest
+} from '../src/protocol';
 import { oomRun } from './fixtures';
 
 describe('parseKernelMessage', () => {
@@ -22,6 +27,26 @@ describe('parseKernelMessage', () => {
       run: oomRun()
     });
     expect(message).toEqual({ kind: 'run', run: oomRun(), problems: [] });
+  });
+
+  it("reads the kernel's refusal of a sidebar action", () => {
+    expect(
+      parseKernelMessage({
+        version: 1,
+        type: 'error',
+        run: 'run-1',
+        message: 'run run-1 has no plan entry 5'
+      })
+    ).toEqual({
+      kind: 'error',
+      run: 'run-1',
+      message: 'run run-1 has no plan entry 5'
+    });
+    expect(parseKernelMessage({ version: 1, type: 'error', run: 7 })).toEqual({
+      kind: 'error',
+      run: null,
+      message: 'the kernel could not do that'
+    });
   });
 
   it('turns an unknown version into a one-line notice instead of throwing', () => {
@@ -100,6 +125,21 @@ describe('parseCellRun', () => {
     expect(parsed?.findings[0].remedies[0]).toMatchObject({
       kind: 'batch',
       new_source: null
+    });
+  });
+});
+
+describe('the sidebar actions', () => {
+  it('are the messages the kernel reads', () => {
+    expect(applyRequest('run-1', 0)).toEqual({
+      type: 'apply',
+      run: 'run-1',
+      entry: 0
+    });
+    expect(removeRequest('run-2', 1)).toEqual({
+      type: 'remove',
+      run: 'run-2',
+      index: 1
     });
   });
 });

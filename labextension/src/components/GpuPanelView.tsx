@@ -14,6 +14,8 @@ export interface INotebookView {
   entries: readonly RunEntry[];
   cellIds: ReadonlySet<string>;
   notices: readonly string[];
+  pending: ReadonlyMap<string, string>;
+  refusals: ReadonlyMap<string, string>;
 }
 
 export interface IGpuPanelViewProps {
@@ -28,6 +30,9 @@ export interface IGpuPanelViewProps {
   onReveal: (entry: RunEntry) => void;
   onRetry: (entry: RunEntry) => void;
   onApply: (entry: RunEntry, remedy: RemedyJson) => void;
+  onWrite: (entry: RunEntry, body: string) => void;
+  onRunPlanEntry: (entry: RunEntry, index: number, title: string) => void;
+  onRemoveFix: (entry: RunEntry, index: number, title: string) => void;
 }
 
 /** The sidebar's content: the devices, then the runs of the notebook being looked at. */
@@ -58,11 +63,16 @@ export function GpuPanelView(props: IGpuPanelViewProps): JSX.Element {
                 entries={notebook.entries}
                 cellIds={notebook.cellIds}
                 notices={notebook.notices}
+                pending={notebook.pending}
+                refusals={notebook.refusals}
                 busy={props.busy}
                 onDismissNotices={props.onDismissNotices}
                 onReveal={props.onReveal}
                 onRetry={props.onRetry}
                 onApply={props.onApply}
+                onWrite={props.onWrite}
+                onRunPlanEntry={props.onRunPlanEntry}
+                onRemoveFix={props.onRemoveFix}
               />
             </>
           ) : (

@@ -10,15 +10,23 @@ export interface IRunListProps {
   cellIds: ReadonlySet<string>;
   notices: readonly string[];
   busy: boolean;
+  /** What the kernel is doing for a run, by run id. */
+  pending: ReadonlyMap<string, string>;
+  /** The kernel's refusals, by run id. */
+  refusals: ReadonlyMap<string, string>;
   onDismissNotices: () => void;
   onReveal: (entry: RunEntry) => void;
   onRetry: (entry: RunEntry) => void;
   onApply: (entry: RunEntry, remedy: RemedyJson) => void;
+  onWrite: (entry: RunEntry, body: string) => void;
+  onRunPlanEntry: (entry: RunEntry, index: number, title: string) => void;
+  onRemoveFix: (entry: RunEntry, index: number, title: string) => void;
 }
 
 /** The notebook's runs, newest first, under the notices the panel has for it. */
 export function RunList(props: IRunListProps): JSX.Element {
-  const { entries, cellIds, notices, busy } = props;
+  const { entries, cellIds, notices, busy, pending, refusals } = props;
+  const live = entries.flatMap(e => (e.saved ? [] : [e.run]));
   return (
     <>
       {notices.length ? (
@@ -45,9 +53,19 @@ export function RunList(props: IRunListProps): JSX.Element {
               entry={entry}
               cellPresent={entry.cellId !== null && cellIds.has(entry.cellId)}
               busy={busy}
+              retries={live.filter(r => r.parent === entry.run.id)}
+              pending={pending.get(entry.run.id) ?? null}
+              refusal={refusals.get(entry.run.id) ?? null}
               onReveal={() => props.onReveal(entry)}
               onRetry={() => props.onRetry(entry)}
               onApply={remedy => props.onApply(entry, remedy)}
+              onWrite={body => props.onWrite(entry, body)}
+              onRunPlanEntry={(index, title) =>
+                props.onRunPlanEntry(entry, index, title)
+              }
+              onRemoveFix={(index, title) =>
+                props.onRemoveFix(entry, index, title)
+              }
             />
           ))}
         </ul>
