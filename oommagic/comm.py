@@ -115,9 +115,13 @@ def _act(kind: str, data: dict[str, Any]) -> None:
                 raise ValueError(f"run {run.id} has no plan entry {k}")
             _actions.retry(run, entries[k].fixes)
     except (ValueError, TypeError) as err:
-        _comm.send({"version": PROTOCOL_VERSION, "type": "error", "run": data.get("run"), "message": str(err)})
+        _comm.send(
+            {"version": PROTOCOL_VERSION, "type": "error", "run": data.get("run"), "message": str(err)}
+        )
     except Exception as err:  # the cell's own error: the kernel goes on, the sidebar is told
-        _comm.send({"version": PROTOCOL_VERSION, "type": "error", "run": data.get("run"), "message": repr(err)})
+        _comm.send(
+            {"version": PROTOCOL_VERSION, "type": "error", "run": data.get("run"), "message": repr(err)}
+        )
 
 
 def _forget(closed: Any) -> None:

@@ -87,7 +87,8 @@ def parse_limit(text: str | None) -> float | int | None:
         if 0 < value <= 1:
             return value
         raise OptionError(
-            f"{LIMIT_HELP}, got {text!r} (a bare number must be a fraction between 0 and 1; give sizes a unit)"
+            f"{LIMIT_HELP}, got {text!r} "
+            "(a bare number must be a fraction between 0 and 1; give sizes a unit)"
         )
     try:
         nbytes = parse_size(cleaned)

@@ -203,7 +203,7 @@ def test_the_sidebar_applies_a_plan_entry_and_removes_a_fix(kernel: Any) -> None
         send_comm_msg(kernel, opened["comm_id"], {"type": "remove", "run": fitted["id"], "index": 0}),
         "comm_msg",
     )
-    again = [m["data"]["run"] for m in sent if m["data"]["type"] == "run"][0]
+    again = next(m["data"]["run"] for m in sent if m["data"]["type"] == "run")
     assert again["parent"] == fitted["id"] and again["applied"] == [] and again["outcome"] == "oom"
 
     # A request the kernel cannot do is answered, not raised.

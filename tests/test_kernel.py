@@ -52,7 +52,8 @@ w = oommagic.report_widget()
 first = w.fixes[0]
 retry = w.click(first.kind)
 (batch,) = retry.applied
-print(first.verdict, "|", retry.outcome, "|", batch.params["new"] * batch.params["accumulate"], "samples a step")
+samples = batch.params["new"] * batch.params["accumulate"]
+print(first.verdict, "|", retry.outcome, "|", samples, "samples a step")
 """
 
 

@@ -24,7 +24,9 @@ import run as runner  # noqa: E402
 
 # Small and quick at CPU size; one of each outcome the suite scores. A scenario the product fails today is
 # marked with what it does (not strict: it passes once the product is fixed).
-NO_FIX = "product: only the 'limit ran out' finding, no automatic fix offered (eval without no_grad not diagnosed)"
+NO_FIX = (
+    "product: only the 'limit ran out' finding, no automatic fix offered (eval without no_grad not diagnosed)"
+)
 SILENT = "product: weights over the card in every dtype get 'Not measured: no automatic fix.' and no unfittable text"
 CASES = [
     "leftovers",
@@ -55,7 +57,9 @@ def test_scenario_scores(name):
     # Nothing of the failed attempt stays held. (The level can come out *below* the one before: in CPU mode
     # the plan's trials put the optimizer state back as storages the ledger does not count, ~4 MiB here;
     # reported to the lead, scored by the suite's "memory left" column, not asserted here.)
-    assert max(res["mem_after_failures"]) <= runner.SLACK, f"memory left after failures: {res['mem_after_failures']}"
+    assert max(res["mem_after_failures"]) <= runner.SLACK, (
+        f"memory left after failures: {res['mem_after_failures']}"
+    )
     assert not res["trial_changed"], f"the plan's trials changed {res['trial_changed']}"
     if res["fit_exists"]:
         assert res["fixes"], f"no fix offered: {res['report']}"

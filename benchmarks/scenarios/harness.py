@@ -50,7 +50,7 @@ def objects(ns) -> dict:
             for attr in ("model", "optimizer", "lightning_module"):
                 try:
                     inner = getattr(value, attr, None)
-                except Exception:  # noqa: BLE001 - a property that needs a running fit
+                except Exception:
                     inner = None
                 if isinstance(inner, (torch.nn.Module, torch.optim.Optimizer)):
                     out[f"{name}.{attr}"] = inner
@@ -169,7 +169,7 @@ def after(ns) -> None:
     try:
         w = oommagic.report_widget()
         record["fixes"] = fixes_of(w)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         record["fixes"] = []
         record["widget_error"] = f"{type(err).__name__}: {err}"
     emit(record)
@@ -187,8 +187,10 @@ def click(ns, kind: str | None = None) -> None:
     t0 = time.perf_counter()
     try:
         run = w.click(chosen["kind"])
-    except Exception as err:  # noqa: BLE001
-        emit({"clicked": chosen, "click_error": f"{type(err).__name__}: {err}", "s": time.perf_counter() - t0})
+    except Exception as err:
+        emit(
+            {"clicked": chosen, "click_error": f"{type(err).__name__}: {err}", "s": time.perf_counter() - t0}
+        )
         return
     s = time.perf_counter() - t0
     emit(

@@ -43,7 +43,7 @@ def _h(call: str) -> str:
 
 
 LOAD_HARNESS = f"""import sys as _sys, importlib.util as _ilu
-_spec = _ilu.spec_from_file_location("_scenario_harness", {str(HERE / 'harness.py')!r})
+_spec = _ilu.spec_from_file_location("_scenario_harness", {str(HERE / "harness.py")!r})
 _m = _ilu.module_from_spec(_spec); _spec.loader.exec_module(_m); _sys.modules["_scenario_harness"] = _m
 del _sys, _ilu, _spec, _m"""
 
@@ -61,7 +61,7 @@ def cell_text(cell) -> str:
 
 
 def records(cell) -> list[dict]:
-    return [json.loads(line[len(MARK):]) for line in cell_text(cell).splitlines() if line.startswith(MARK)]
+    return [json.loads(line[len(MARK) :]) for line in cell_text(cell).splitlines() if line.startswith(MARK)]
 
 
 def error_of(cell):
@@ -186,14 +186,19 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
             res["fitted_at"] = fitted_at
             res["wall_s"] = round(wall, 1) if fitted_at else None
             if s.fit and fitted_at is None and s.control:
-                limit_flag = "--limit $LIMIT " if "$LIMIT" in nb.cells[oom_index].source.splitlines()[0] else ""
-                cell, _ = drv.add(f"%%gpumem {limit_flag}--plan-budget 0 -o _control\n" + control_source(name, scale).strip("\n"))
+                limit_flag = (
+                    "--limit $LIMIT " if "$LIMIT" in nb.cells[oom_index].source.splitlines()[0] else ""
+                )
+                cell, _ = drv.add(
+                    f"%%gpumem {limit_flag}--plan-budget 0 -o _control\n"
+                    + control_source(name, scale).strip("\n")
+                )
                 err = error_of(cell)
                 res["control"] = "fits" if err is None else f"{err.ename}: {err.evalue[:200]}"
             res["status"] = "ran"
             for i in teardown:
                 drv.run(i)
-    except Exception as err:  # noqa: BLE001 - a kernel death or a timeout is a result too
+    except Exception as err:
         res.update(status="runner error", reason=f"{type(err).__name__}: {str(err)[:400]}")
     finally:
         res["total_s"] = round(time.perf_counter() - t_start, 1)
@@ -213,8 +218,13 @@ def judge(res: dict) -> dict:
     if res["fit_exists"]:
         res["first_click_fit"] = res["fitted_at"] == 1
         res["within_two"] = res["fitted_at"] is not None and res["fitted_at"] <= 2
-        broken = [c for c in clicks if c.get("clicked", {}) and c["clicked"].get("verdict") == "fits"
-                  and c.get("run", {}).get("outcome") != "ok"]
+        broken = [
+            c
+            for c in clicks
+            if c.get("clicked", {})
+            and c["clicked"].get("verdict") == "fits"
+            and c.get("run", {}).get("outcome") != "ok"
+        ]
         res["false_fits"] = len(broken)
     else:
         plan = (res.get("report") or {}).get("plan") or {}
@@ -246,12 +256,22 @@ def row(res: dict) -> str:
         if not res.get("fixes"):
             notes.append("no fix offered")
         if "control" in res:
-            notes.append("author's fix " + ("fits (a fit exists)" if res["control"] == "fits" else f"failed too: {res['control'][:80]}"))
+            notes.append(
+                "author's fix "
+                + (
+                    "fits (a fit exists)"
+                    if res["control"] == "fits"
+                    else f"failed too: {res['control'][:80]}"
+                )
+            )
     else:
         clicks = "n/a (unfittable)"
         first = "n/a"
         notes.append("says unfittable" if res["says_unfittable"] else "**does not say unfittable**")
-        notes.append(f"{res['offers_fits']} fix(es) marked fits" + (f", {res['false_fits']} failed" if res["false_fits"] else ""))
+        notes.append(
+            f"{res['offers_fits']} fix(es) marked fits"
+            + (f", {res['false_fits']} failed" if res["false_fits"] else "")
+        )
     if res.get("false_fits") and res["fit_exists"]:
         notes.append(f"**{res['false_fits']} fix(es) marked fits failed**")
     mem = ", ".join(fmt_mib(d) for d in res["mem_after_failures"])
@@ -307,11 +327,18 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--only", action="append", help="a scenario name (repeatable)")
     ap.add_argument("--timeout", type=int, default=300, help="seconds per cell")
-    ap.add_argument("--plan-budget", default=None,
-                    help="--plan-budget of the failing cells (default: 30 s on cpu, 20 s on gpu)")
-    ap.add_argument("--jobs", type=int, default=0,
-                    help="scenarios run at once, each in its own kernel (default: 1 on cpu, 4 on gpu; "
-                    "GPU-only scenarios that fill the device always run alone, last)")
+    ap.add_argument(
+        "--plan-budget",
+        default=None,
+        help="--plan-budget of the failing cells (default: 30 s on cpu, 20 s on gpu)",
+    )
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=0,
+        help="scenarios run at once, each in its own kernel (default: 1 on cpu, 4 on gpu; "
+        "GPU-only scenarios that fill the device always run alone, last)",
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
     names = args.only or [s.name for s in SCENARIOS]
@@ -355,7 +382,9 @@ def main(argv=None) -> int:
     print(text)
     stem = f"scenarios-{args.scale}" + ("" if not args.only else "-" + "-".join(args.only)[:60])
     (out / f"{stem}.md").write_text(text)
-    (out / f"{stem}.json").write_text(json.dumps({"scale": args.scale, "total_s": total, "results": results}, indent=1, default=str))
+    (out / f"{stem}.json").write_text(
+        json.dumps({"scale": args.scale, "total_s": total, "results": results}, indent=1, default=str)
+    )
     return 0
 
 

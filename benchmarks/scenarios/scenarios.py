@@ -42,14 +42,14 @@ def card_for(small, large, b_small, b_large, batch, room=1.2):
     return base, per, base + per * batch * room
 '''
 
-GPT2 = '''import transformers
+GPT2 = """import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
 transformers.logging.set_verbosity_error()
 config = GPT2Config(n_layer=S["layers"], n_embd=S["embd"], n_head=S["heads"], vocab_size=S["vocab"],
                     n_positions=S["seq"])
-'''
+"""
 
-TRAINER = '''from transformers import Trainer, TrainingArguments
+TRAINER = """from transformers import Trainer, TrainingArguments
 
 
 def training_args(**kw):
@@ -60,9 +60,9 @@ def training_args(**kw):
 
 ids = torch.randint(0, S["vocab"], (S["n"], S["seq"]))
 dataset = [{"input_ids": x, "labels": x} for x in ids]
-'''
+"""
 
-CLASSIFIER = '''class TextClassifier(nn.Module):
+CLASSIFIER = """class TextClassifier(nn.Module):
     def __init__(self, vocab, dim, layers, classes=4):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
@@ -76,7 +76,7 @@ CLASSIFIER = '''class TextClassifier(nn.Module):
 
 X = torch.randint(0, S["vocab"], (S["n"], S["seq"]))
 y = torch.randint(0, 4, (S["n"],))
-'''
+"""
 
 GPT2_SIZES_CPU = dict(layers=2, embd=128, heads=4, vocab=1000, seq=128, n=256)
 GPT2_SIZES_GPU = dict(layers=6, embd=512, heads=8, vocab=8000, seq=512, n=1024)
@@ -119,11 +119,17 @@ add(
     "HF Trainer.train with a per-device batch too large",
     [
         GPT2 + TRAINER,
-        probe("p2", """
+        probe(
+            "p2",
+            """
 model = GPT2LMHeadModel(config)
-Trainer(model=model, args=training_args(per_device_train_batch_size=2), train_dataset=dataset).train()"""),
-        probe("p4", """
-Trainer(model=model, args=training_args(per_device_train_batch_size=4), train_dataset=dataset).train()"""),
+Trainer(model=model, args=training_args(per_device_train_batch_size=2), train_dataset=dataset).train()""",
+        ),
+        probe(
+            "p4",
+            """
+Trainer(model=model, args=training_args(per_device_train_batch_size=4), train_dataset=dataset).train()""",
+        ),
         """_, _, card = card_for(p2, p4, 2, 4, batch=8)
 LIMIT = mib(card)
 trainer = Trainer(model=model, args=training_args(per_device_train_batch_size=S["batch"], max_steps=S["steps"]),
@@ -142,11 +148,17 @@ add(
     "HF Trainer.evaluate with per_device_eval_batch_size too large",
     [
         GPT2 + TRAINER,
-        probe("p4", """
+        probe(
+            "p4",
+            """
 model = GPT2LMHeadModel(config)
-Trainer(model=model, args=training_args(per_device_eval_batch_size=4), eval_dataset=dataset[:8]).evaluate()"""),
-        probe("p8", """
-Trainer(model=model, args=training_args(per_device_eval_batch_size=8), eval_dataset=dataset[:16]).evaluate()"""),
+Trainer(model=model, args=training_args(per_device_eval_batch_size=4), eval_dataset=dataset[:8]).evaluate()""",
+        ),
+        probe(
+            "p8",
+            """
+Trainer(model=model, args=training_args(per_device_eval_batch_size=8), eval_dataset=dataset[:16]).evaluate()""",
+        ),
         """_, _, card = card_for(p4, p8, 4, 8, batch=16)
 LIMIT = mib(card)
 trainer = Trainer(model=model, args=training_args(per_device_eval_batch_size=S["batch"]), eval_dataset=dataset)
@@ -175,13 +187,16 @@ add(
     "hand-written training loop (nn.TransformerEncoder, AdamW), batch too large",
     [
         CLASSIFIER,
-        probe("setup", """
+        probe(
+            "setup",
+            """
 model = TextClassifier(S["vocab"], S["dim"], S["layers"]).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)"""),
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)""",
+        ),
         probe("p2", LOOP.replace("{B}", "2")),
         probe("p4", LOOP.replace("{B}", "4")),
         "_, _, card = card_for(p2, p4, 2, 4, batch=8)\nLIMIT = mib(card)\nLIMIT",
-        oom(LOOP.replace("{B}", str("S['batch']"))),
+        oom(LOOP.replace("{B}", "S['batch']")),
     ],
     cpu=dict(vocab=1000, dim=128, layers=2, seq=128, n=512, batch=128, steps=3),
     gpu=dict(vocab=8000, dim=512, layers=8, seq=512, n=2048, batch=256, steps=3),
@@ -193,7 +208,8 @@ add(
     "lightning_fit",
     "Lightning Trainer.fit, DataLoader batch too large",
     [
-        CLASSIFIER + '''import lightning as L
+        CLASSIFIER
+        + """import lightning as L
 from torch.utils.data import DataLoader, TensorDataset
 
 
@@ -218,7 +234,7 @@ def make_trainer(steps):
 
 train_ds = TensorDataset(X, y)
 lit = LitClassifier()
-''',
+""",
         probe("p2", "make_trainer(2).fit(lit, DataLoader(train_ds, batch_size=2))"),
         probe("p4", "make_trainer(2).fit(lit, DataLoader(train_ds, batch_size=4))"),
         "_, _, card = card_for(p2, p4, 2, 4, batch=8)\nLIMIT = mib(card)\nLIMIT",
@@ -248,7 +264,7 @@ add(
     "cnn_train",
     "image classifier training (ResNet-18 if torchvision, else a VGG-style CNN), batch too large",
     [
-        '''try:
+        """try:
     from torchvision.models import resnet18
     def make_model():
         return resnet18(num_classes=10)
@@ -263,10 +279,13 @@ except ImportError:
         return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
     ARCH = "hand-written CNN (no torchvision)"
 criterion = nn.CrossEntropyLoss()
-print(ARCH)''',
-        probe("setup", """
+print(ARCH)""",
+        probe(
+            "setup",
+            """
 model = make_model().to(device)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)"""),
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)""",
+        ),
         probe("p2", CNN_LOOP.replace("{B}", "2")),
         probe("p4", CNN_LOOP.replace("{B}", "4")),
         "_, _, card = card_for(p2, p4, 2, 4, batch=8)\nLIMIT = mib(card)\nLIMIT",
@@ -288,9 +307,12 @@ add(
     "model.generate with beam search and long outputs for a batch of prompts",
     [
         GPT2,
-        probe("setup", """
+        probe(
+            "setup",
+            """
 model = GPT2LMHeadModel(config).to(device).eval()
-prompts = torch.randint(1, S["vocab"], (S["batch"], S["prompt"]), device=device)"""),
+prompts = torch.randint(1, S["vocab"], (S["batch"], S["prompt"]), device=device)""",
+        ),
         probe("p1", GEN.replace("{B}", "1")),
         probe("p2", GEN.replace("{B}", "2")),
         "_, _, card = card_for(p1, p2, 1, 2, batch=4)\nLIMIT = mib(card)\nLIMIT",
@@ -339,7 +361,17 @@ add(
     [
         CLASSIFIER,
         probe("setup", "model = TextClassifier(S['vocab'], S['dim'], S['layers']).to(device)"),
-        probe("p1", "with torch.no_grad():\n" + "\n".join("    " + l for l in EVAL.replace("{B}", "S['batch']").replace("len(X)", "S['batch']").strip("\n").splitlines())),
+        probe(
+            "p1",
+            "with torch.no_grad():\n"
+            + "\n".join(
+                "    " + l
+                for l in EVAL.replace("{B}", "S['batch']")
+                .replace("len(X)", "S['batch']")
+                .strip("\n")
+                .splitlines()
+            ),
+        ),
         "LIMIT = mib(p1.peak_reserved * 1.6)\nLIMIT",
         oom(EVAL.replace("{B}", "S['batch']")),
     ],
@@ -353,7 +385,8 @@ add(
     "outlier_batch",
     "embedding extraction over documents padded per batch; one document is many times longer",
     [
-        GPT2 + '''lengths = torch.randint(S["short"] // 2, S["short"], (S["n"],))
+        GPT2
+        + """lengths = torch.randint(S["short"] // 2, S["short"], (S["n"],))
 lengths[S["n"] * 2 // 3] = S["seq"]  # one long document, two thirds of the way in
 docs = [torch.randint(1, S["vocab"], (int(n),)) for n in lengths]
 
@@ -366,12 +399,15 @@ def pad(batch):
         ids[row, :len(d)] = d
         mask[row, :len(d)] = 1
     return ids, mask
-''',
+""",
         probe("setup", "encoder = GPT2Model(config).to(device).eval()"),
-        probe("p1", """
+        probe(
+            "p1",
+            """
 with torch.no_grad():
     ids, mask = pad(docs[:S["batch"] // 4 - 1] + [docs[S["n"] * 2 // 3]])
-    encoder(input_ids=ids.to(device), attention_mask=mask.to(device))"""),
+    encoder(input_ids=ids.to(device), attention_mask=mask.to(device))""",
+        ),
         "LIMIT = mib(p1.peak_reserved * 1.3)\nLIMIT",
         oom("""
 batch_size = S["batch"]
@@ -400,12 +436,13 @@ add(
     "weights_fp32",
     "model built in fp32 does not fit; in bf16 it does",
     [
-        GPT2 + '''from transformers import AutoModelForCausalLM
+        GPT2
+        + """from transformers import AutoModelForCausalLM
 with torch.device("meta"):
     n_params = sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
 sample = torch.randint(0, S["vocab"], (1, 64))
 LIMIT = mib(n_params * 4 * 0.75)  # fp32 weights are 4/3 of the card, bf16 weights 2/3
-print(f"{n_params / 1e6:.1f}M parameters, card {LIMIT}")''',
+print(f"{n_params / 1e6:.1f}M parameters, card {LIMIT}")""",
         oom(WEIGHTS),
     ],
     cpu=dict(layers=4, embd=256, heads=4, vocab=8000, seq=256),
@@ -419,23 +456,32 @@ add(
     "an earlier cell's hidden-state cache is still bound when the training cell runs",
     [
         GPT2,
-        probe("setup", """
+        probe(
+            "setup",
+            """
 model = GPT2LMHeadModel(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)"""),
-        probe("p_train", """
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
+        ),
+        probe(
+            "p_train",
+            """
 for step in range(2):
     ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    optimizer.zero_grad()"""),
+    optimizer.zero_grad()""",
+        ),
         "LIMIT = mib(p_train.peak_reserved * 1.25)\nrows = max(int(p_train.peak_reserved * 0.5 / (S['seq'] * S['embd'] * 4)), 1)\nLIMIT, rows",
-        probe("features", """
+        probe(
+            "features",
+            """
 # hidden states of a slice of the corpus, for a probing experiment
 with torch.no_grad():
     corpus = torch.randint(0, S["vocab"], (rows, S["seq"]), device=device)
     hidden_cache = torch.cat([model.transformer(input_ids=corpus[i:i + 8]).last_hidden_state
                               for i in range(0, rows, 8)])
-hidden_cache.shape"""),
+hidden_cache.shape""",
+        ),
         oom("""
 for step in range(S["steps"]):
     ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
@@ -455,7 +501,8 @@ add(
     "other_process",
     "another process on the same GPU holds most of it; the training cell gets what is left",
     [
-        GPT2 + '''import subprocess, sys
+        GPT2
+        + '''import subprocess, sys
 HOLDER = """
 import os, sys, time, torch
 x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
@@ -466,20 +513,26 @@ for _ in range(900):
         break
     time.sleep(1)
 """''',
-        probe("setup", """
+        probe(
+            "setup",
+            """
 model = GPT2LMHeadModel(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)"""),
-        probe("p_train", """
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
+        ),
+        probe(
+            "p_train",
+            """
 for step in range(2):
     ids = torch.randint(0, S["vocab"], (8, S["seq"]), device=device)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
-    optimizer.zero_grad()"""),
-        '''torch.cuda.empty_cache()
+    optimizer.zero_grad()""",
+        ),
+        """torch.cuda.empty_cache()
 free, total = torch.cuda.mem_get_info()
 leave = int(p_train.peak_reserved * 1.3) - torch.cuda.memory_reserved()
 holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(free - leave - 600 * 2**20)], stdout=subprocess.PIPE, text=True)
-print(holder.stdout.readline().strip(), torch.cuda.mem_get_info())''',
+print(holder.stdout.readline().strip(), torch.cuda.mem_get_info())""",
         """%%gpumem --plan-budget $PLAN
 for step in range(S["steps"]):
     ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
@@ -510,12 +563,15 @@ add(
     "two_fixes_ckpt_batch",
     "long-context training: batch 1 alone does not fit, checkpointing alone does not; both do",
     [
-        GPT2 + 'config.use_cache = False\n',
-        probe("setup", """
+        GPT2 + "config.use_cache = False\n",
+        probe(
+            "setup",
+            """
 model = GPT2LMHeadModel(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)"""),
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
+        ),
         probe("p1", CK.replace("{B}", "1")),
-        '''model.gradient_checkpointing_enable()''',
+        """model.gradient_checkpointing_enable()""",
         probe("p_ck", CK.replace("{B}", "2")),
         '''model.gradient_checkpointing_disable()
 LIMIT = mib((p_ck.peak_reserved + p1.peak_reserved) / 2)
@@ -545,15 +601,18 @@ add(
         probe("setup", "model = TextClassifier(S['vocab'], S['dim'], S['layers']).to(device)"),
         probe("p2", LB.replace("{B}", "2").replace("len(X)", "2")),
         probe("p4", LB.replace("{B}", "4").replace("len(X)", "4")),
-        '''base, per, card = card_for(p2, p4, 2, 4, batch=8)
+        """base, per, card = card_for(p2, p4, 2, 4, batch=8)
 LIMIT = mib(card)
 rows = max(int((card - base) / (S["seq"] * S["dim"] * 4)), 1)
-LIMIT, rows''',
-        probe("table", """
+LIMIT, rows""",
+        probe(
+            "table",
+            """
 # token embeddings of a slice of the data, kept for a nearest-neighbour look-up
 with torch.no_grad():
     token_table = torch.cat([model.embed(X[i:i + 16].to(device)) for i in range(0, rows, 16)])
-token_table.shape"""),
+token_table.shape""",
+        ),
         oom(LB.replace("{B}", "S['batch']")),
     ],
     cpu=dict(vocab=1000, dim=128, layers=2, seq=256, n=256, batch=128),
@@ -566,12 +625,13 @@ add(
     "unfit_weights",
     "the model's weights exceed the card even in bf16",
     [
-        GPT2 + '''from transformers import AutoModelForCausalLM
+        GPT2
+        + """from transformers import AutoModelForCausalLM
 with torch.device("meta"):
     n_params = sum(p.numel() for p in GPT2LMHeadModel(config).parameters())
 sample = torch.randint(0, S["vocab"], (1, 64))
 LIMIT = mib(n_params * 2 * 0.6)  # bf16 weights alone are 5/3 of the card
-print(f"{n_params / 1e6:.1f}M parameters, card {LIMIT}")''',
+print(f"{n_params / 1e6:.1f}M parameters, card {LIMIT}")""",
         oom(WEIGHTS),
     ],
     cpu=dict(layers=4, embd=256, heads=4, vocab=8000, seq=256),
@@ -585,10 +645,11 @@ add(
     "unfit_growth",
     "features of an endless stream collected on the device: the cell grows until the card is full",
     [
-        GPT2 + '''def stream(batch_size):
+        GPT2
+        + """def stream(batch_size):
     while True:  # a streaming dataset with no end
         yield torch.randint(0, S["vocab"], (batch_size, S["seq"]))
-''',
+""",
         probe("setup", "encoder = GPT2Model(config).to(device).eval()"),
         "LIMIT = mib(setup.peak_reserved + 40 * S['batch'] * S['seq'] * S['embd'] * 4)\nLIMIT",
         oom("""
@@ -610,17 +671,23 @@ add(
     "training loop that keeps every batch's logits (with their graph) for an epoch-end accuracy",
     [
         GPT2,
-        probe("setup", """
+        probe(
+            "setup",
+            """
 model = GPT2LMHeadModel(config).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-train_ids = torch.randint(0, S["vocab"], (S["n"], S["seq"]))"""),
-        probe("p1", """
+train_ids = torch.randint(0, S["vocab"], (S["n"], S["seq"]))""",
+        ),
+        probe(
+            "p1",
+            """
 for i in range(0, 2 * S["batch"], S["batch"]):
     batch = train_ids[i:i + S["batch"]].to(device)
     out = model(input_ids=batch, labels=batch)
     out.loss.backward()
     optimizer.step()
-    optimizer.zero_grad()"""),
+    optimizer.zero_grad()""",
+        ),
         "LIMIT = mib(p1.peak_reserved * 1.5)\nLIMIT",
         oom("""
 all_logits = []
@@ -655,8 +722,10 @@ trainer.evaluate()""",
     "lightning_fit": "make_trainer(S['steps']).fit(lit, DataLoader(train_ds, batch_size=8, shuffle=True))",
     "cnn_train": CNN_LOOP.replace("{B}", "8"),
     "generate_beams": GEN.replace("{B}", "4"),
-    "keeps_losses": "with torch.no_grad():\n" + "\n".join("    " + l for l in VAL.replace("{B}", "S['batch']").strip("\n").splitlines()),
-    "eval_no_grad": "with torch.no_grad():\n" + "\n".join("    " + l for l in EVAL.replace("{B}", "S['batch']").strip("\n").splitlines()),
+    "keeps_losses": "with torch.no_grad():\n"
+    + "\n".join("    " + l for l in VAL.replace("{B}", "S['batch']").strip("\n").splitlines()),
+    "eval_no_grad": "with torch.no_grad():\n"
+    + "\n".join("    " + l for l in EVAL.replace("{B}", "S['batch']").strip("\n").splitlines()),
     "outlier_batch": """
 batch_size = S["batch"] // 4
 embeddings = []

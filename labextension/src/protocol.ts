@@ -28,6 +28,7 @@ import {
   oneOf,
   pair,
   real,
+  Reader,
   record,
   Shape,
   text
@@ -311,6 +312,76 @@ const RANK: Shape<RankJson> = {
   bottleneck: flag
 };
 
+/** A plain object's entries, or none. */
+function entries(value: unknown): Record<string, unknown> {
+  return value !== null && typeof value === 'object' && !Array.isArray(value)
+    ? (value as Record<string, unknown>)
+    : {};
+}
+
+/**
+ * `categories` as the kernel writes it (`{order, labels, bytes, ...}`, oommagic/categories.py), or a list
+ * of `{key, label, bytes}`; null (no breakdown) is an empty list.
+ */
+const readCategories: Reader<CategoryJson[]> = (value, at, problems) => {
+  if (value === null) {
+    return [];
+  }
+  if (Array.isArray(value)) {
+    return listOf(record(CATEGORY))(value, at, problems);
+  }
+  const data = entries(value);
+  const sizes = entries(data.bytes);
+  const labels = entries(data.labels);
+  const order = Array.isArray(data.order) ? data.order : Object.keys(sizes);
+  if (!Object.keys(sizes).length) {
+    problems.push(`${at}: expected the categories' bytes`);
+    return [];
+  }
+  return order
+    .filter(
+      (key): key is string =>
+        typeof key === 'string' && typeof sizes[key] === 'number'
+    )
+    .map(key => ({
+      key,
+      label: typeof labels[key] === 'string' ? (labels[key] as string) : key,
+      bytes: sizes[key] as number
+    }));
+};
+
+/**
+ * `ranks` as the kernel writes it (`{ranks: [...], failed_first, bottleneck, ...}`,
+ * oommagic/diagnosis/ranks.py), or a list of rank rows; null (one process) is an empty list.
+ */
+const readRanks: Reader<RankJson[]> = (value, at, problems) => {
+  if (value === null) {
+    return [];
+  }
+  if (Array.isArray(value)) {
+    return listOf(record(RANK))(value, at, problems);
+  }
+  const data = entries(value);
+  const rows = Array.isArray(data.ranks) ? data.ranks : [];
+  return rows.map(row => {
+    const r = entries(row);
+    const num = (v: unknown): number | null =>
+      typeof v === 'number' ? v : null;
+    return {
+      rank: num(r.rank) ?? 0,
+      device: typeof r.device === 'string' ? r.device : '',
+      pid: num(r.pid) ?? 0,
+      peak_allocated: num(r.peak_allocated) ?? 0,
+      peak_reserved: num(r.peak_reserved) ?? 0,
+      outside: num(r.outside),
+      oom: r.status === 'oom',
+      requested: num(r.requested),
+      first_failed: data.failed_first === r.rank,
+      bottleneck: data.bottleneck === r.rank
+    };
+  });
+};
+
 const OOM_REPORT: Shape<OOMReportJson> = {
   text,
   device: nullable(text),
@@ -372,8 +443,8 @@ export const CELL_RUN: Shape<CellRunJson> = {
   plan: nullable(record(FIX_PLAN)),
   change: nullable(text),
   budget: optional(maybeBytes),
-  categories: optional(listOf(record(CATEGORY))),
-  ranks: optional(listOf(record(RANK)))
+  categories: optional(readCategories),
+  ranks: optional(readRanks)
 };
 
 /** Read a comm message's `data`; never throws. */

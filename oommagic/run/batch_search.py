@@ -161,13 +161,20 @@ def find_batch(session: Any, spec: Any, name: str) -> BatchSearch:
 
     def trial(batch: int, role: str) -> Trial:
         source = rewrite_batch(spec.source, guess, batch, accumulate=1) or spec.source
-        probe = Remedy("batch", f"{name}={batch}", automatic=True, params={"name": name, "new": batch, "old": start, "where": "option"})
+        probe = Remedy(
+            "batch",
+            f"{name}={batch}",
+            automatic=True,
+            params={"name": name, "new": batch, "old": start, "where": "option"},
+        )
         applied = spec.applied if guess.where == "source" else (*spec.applied, probe)
         attempt = session.trial(replace(spec, source=source, applied=applied), bounds=None)
         if attempt.outcome == "error":
             raise UsageError(f"--find-batch: the cell failed with {name}={batch}: {attempt.error_text}")
         rec = attempt.recording
-        result = Trial(batch, attempt.outcome == "ok", rec.peak_reserved, attempt.wall_s, role, rec.peak_allocated)
+        result = Trial(
+            batch, attempt.outcome == "ok", rec.peak_reserved, attempt.wall_s, role, rec.peak_allocated
+        )
         search.budget = rec.limit if rec.limit is not None else (rec.capacity or search.budget)
         print(f"  trial {len(search.trials) + 1}: {role} {name}={batch}: {_status(result)}", flush=True)
         return result

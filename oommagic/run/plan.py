@@ -69,7 +69,9 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         with frozen_heap():
             entries = measure.all()
     except SnapshotTooLarge as err:
-        return replace(unmeasured_plan(run, "the state snapshot does not fit in host memory"), summary=str(err))
+        return replace(
+            unmeasured_plan(run, "the state snapshot does not fit in host memory"), summary=str(err)
+        )
     entries = with_time_ratios(entries, _step_time(run.recording.timeline.steps))
     plan = FixPlan(
         entries=ordered(entries),
@@ -121,7 +123,9 @@ class _Measure:
         self, fixes: tuple[Remedy, ...], steps_scale: float = 1.0, bounds: Bounds | None = None
     ) -> PlanEntry:
         if any(r.kind in _UNTRIALED for r in fixes):
-            return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="cannot be tried in this process")
+            return PlanEntry(
+                fixes, NOT_MEASURED, budget=self.budget, method="cannot be tried in this process"
+            )
         if self.left() <= 0:
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="the time budget ran out")
         method = ""
@@ -155,7 +159,9 @@ class _Measure:
         # Past the step where the original run failed: a later, longer batch must be part of the trial.
         done = len(self.run.recording.timeline.steps)
         steps = max(1, math.ceil(done * steps_scale))
-        return Bounds(steps=steps, seconds=self.left(), limit=limit), f"trial: {steps} optimizer steps and a backward pass"
+        return Bounds(
+            steps=steps, seconds=self.left(), limit=limit
+        ), f"trial: {steps} optimizer steps and a backward pass"
 
     def judge(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
         rec = attempt.recording
@@ -196,8 +202,10 @@ class _Measure:
         def probe(b: int) -> Trial:
             remedy = fix.batch(ctx, fig, guess, b, 1)
             bounds = Bounds(steps=1 if self.training and not self.keeps else None, seconds=self.left())
-            self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in base)}"
-                                  f"{' + ' if base else ''}{guess.name}={b} (probe) …")
+            self.session.progress(
+                f"  trial {self.trials + 1}: {' + '.join(r.title for r in base)}"
+                f"{' + ' if base else ''}{guess.name}={b} (probe) …"
+            )
             attempt = self.try_((*base, remedy), bounds)
             fits = attempt.outcome in ("ok", "stopped") and "time" not in (attempt.stopped_by or "")
             rec = attempt.recording
@@ -238,7 +246,9 @@ class _Measure:
             # The probes measured the micro-batch's steady state (optimizer state included) and the choice
             # keeps room for the gradients accumulating between steps; the rewritten cell itself then runs
             # two micro-batches with its accumulation, so a rewrite that breaks the cell shows here.
-            fitted = min((t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None)
+            fitted = min(
+                (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
+            )
             entry = self.entry((*base, remedy), bounds=Bounds(steps=None, backwards=2, seconds=self.left()))
             if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
                 entry = replace(entry, verdict=FITS, note="")
@@ -289,14 +299,10 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
 
 def _summary(plan: FixPlan, run: CellRun) -> str:
     best = plan.recommended
-    head = (
-        f"{best.title} fits ({best.line()})."
-        if best is not None
-        else "No fix measured here fits."
-    )
+    head = f"{best.title} fits ({best.line()})." if best is not None else "No fix measured here fits."
     return (
-        f"{head} {plan.trials} trials in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget; the model, "
-        f"optimizer, RNG and namespace were restored after each"
+        f"{head} {plan.trials} trials in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget; "
+        "the model, optimizer, RNG and namespace were restored after each"
         + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from typing import ClassVar
 
 import pytest
 import torch
@@ -253,7 +254,7 @@ def test_the_scan_is_silent_and_calls_no_property():
     class Touchy:
         """An object whose attribute access would show: a property and __getattr__ that record calls."""
 
-        calls: list = []
+        calls: ClassVar[list] = []
 
         def __init__(self):
             self.model = nn.Linear(10, 10)

@@ -67,7 +67,9 @@ def test_inference_with_autograd_on_fits_under_inference_mode(shell, cell):
     )
     try:
         # Weights 1 GiB, the input 128 MiB: 16 layers' activations with their graph do not fit 2 GiB more.
-        cell("%%gpumem --limit 2GiB --plan-budget 0 --quiet\nout_gpu = deep_gpu(x_gpu)\nprint(out_gpu.shape)\n")
+        cell(
+            "%%gpumem --limit 2GiB --plan-budget 0 --quiet\nout_gpu = deep_gpu(x_gpu)\nprint(out_gpu.shape)\n"
+        )
         run = last_run()
         assert run.outcome == "oom", run.headline()
         assert "autograd" in {f.key for f in run.findings}
@@ -97,5 +99,3 @@ def test_outputs_kept_across_iterations_move_to_the_host(shell, cell):
     assert new.outcome == "ok" and shell.user_ns["outs_gpu"][0].device.type == "cpu"
     for name in ("head_gpu", "xs_gpu", "outs_gpu"):
         shell.user_ns.pop(name, None)
-
-

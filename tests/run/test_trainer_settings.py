@@ -18,7 +18,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 torch.manual_seed(0)
 config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=128)
 model = GPT2LMHeadModel(config)
-data = [{"input_ids": torch.randint(0, 500, (128,)), "labels": torch.randint(0, 500, (128,))} for _ in range(64)]
+data = [{"input_ids": torch.randint(0, 500, (128,)), "labels": torch.randint(0, 500, (128,))}
+        for _ in range(64)]
 args = TrainingArguments(output_dir="/tmp/oommagic-trainer-test", per_device_train_batch_size=32, max_steps=2,
                          report_to=[], logging_strategy="no", save_strategy="no", use_cpu=True,
                          dataloader_pin_memory=False)
@@ -37,7 +38,11 @@ def test_a_trainer_made_earlier_gets_its_batch_and_accumulation_settings(shell, 
     run = oommagic.history()[-1]
     assert run.outcome == "oom", run.headline()
     guess = run.context.batch
-    assert (guess.name, guess.value, guess.where) == ("trainer.args.per_device_train_batch_size", 32, "attribute")
+    assert (guess.name, guess.value, guess.where) == (
+        "trainer.args.per_device_train_batch_size",
+        32,
+        "attribute",
+    )
     assert shell.user_ns["trainer"].args.per_device_train_batch_size == 32, "the trials put the setting back"
     first = run.plan.recommended
     assert first is not None, [e.line() for e in run.plan.entries]

@@ -133,7 +133,9 @@ def test_interrupt_during_a_retry_restores_every_setting(shell, failed):
 
     hooks = len(_global_optimizer_post_hooks)
     autocast = Remedy("autocast", "bfloat16 autocast", automatic=True, params={"dtype": "bfloat16"})
-    stuck = replace(failed, source="x = torch.ones(4)\nassert torch.is_autocast_enabled('cpu')\nraise KeyboardInterrupt")
+    stuck = replace(
+        failed, source="x = torch.ones(4)\nassert torch.is_autocast_enabled('cpu')\nraise KeyboardInterrupt"
+    )
     with pytest.raises(KeyboardInterrupt):
         session_for(shell).retry(stuck, autocast)
     assert not torch.is_autocast_enabled("cpu")
