@@ -27,7 +27,10 @@ import run as runner  # noqa: E402
 NO_FIX = (
     "product: only the 'limit ran out' finding, no automatic fix offered (eval without no_grad not diagnosed)"
 )
-SILENT = "product: weights over the card in every dtype get 'Not measured: no automatic fix.' and no unfittable text"
+SILENT = (
+    "product: weights over the card in every dtype get 'Not measured: no automatic fix.' "
+    "and no unfittable text"
+)
 CASES = [
     "leftovers",
     pytest.param("eval_no_grad", marks=pytest.mark.xfail(reason=NO_FIX, strict=False)),
