@@ -76,7 +76,8 @@ def test_no_timeline_still_reports_and_diagnoses_an_oom(run_cell):
     run = last_run()
     assert result.success and run.outcome == "oom"
     assert run.report.requested == 8 * MiB and run.report.limit == MiB
-    assert [f.key for f in run.findings] == ["too_large", "limit"]
+    keys = [f.key for f in run.findings]
+    assert keys[0] == "too_large" and "limit" in keys
 
 
 OVERRUN = """%%gpumem --limit 128MiB

@@ -12,7 +12,7 @@ from test_kernel import ROOT, execute, texts
 pytest.importorskip("transformers")
 
 EXPECTED = {
-    "finetune_oom": ["Batch 32 → ", "accumulate", "-> ok", "Gradient checkpointing"],
+    "finetune_oom": ["Batch 32 → ", "accumulate", "-> ok"],
     "generation_oom": ["-> ok"],
     "dataset_lengths": ["ok ", "above"],
     "monitoring": ["Free cache, features", "| fits", "-> ok | cache still defined: False"],

@@ -157,7 +157,7 @@ def _model_being_built(
     (its ``self``). Named after what the cell's failing line assigns, else ``model``."""
     import torch
 
-    if error is None:
+    if error is None or models:  # a model bound already is the one the findings speak of
         return ()
     tb, found = error.__traceback__, None
     while tb is not None and found is None:

@@ -85,7 +85,7 @@ def test_a_retry_puts_the_two_runs_side_by_side_and_any_two_can_be_picked(shell,
     assert (widget.pick_a.value, widget.pick_b.value) == (0, 1)
     table = widget.compare.value
     assert "at the failure" in table and "at the peak" in table and "total" in table
-    assert "aten.addmm" in table, "the largest allocations of both runs, matched by what made them"
+    assert table.count("<tr") >= 4, "the categories and the largest allocations of both runs, row by row"
     widget.pick_a.value, widget.pick_b.value = 1, 0
     assert widget.compare.value.index("#2") < widget.compare.value.index("#1")
     assert "<td" in widget.attempts.value and "peak reserved" in widget.attempts.value
