@@ -299,7 +299,11 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
 
 def _summary(plan: FixPlan, run: CellRun) -> str:
     best = plan.recommended
-    head = f"{best.title} fits ({best.line()})." if best is not None else "No fix measured here fits."
+    head = (
+        f"{best.title} fits: {best.line().removeprefix(FITS + ' — ')}."
+        if best is not None
+        else "No fix measured here fits."
+    )
     return (
         f"{head} {plan.trials} trials in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget; "
         "the model, optimizer, RNG and namespace were restored after each"
