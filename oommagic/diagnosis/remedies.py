@@ -31,6 +31,7 @@ from .source import (
     checkpoints,
     eval_batch_literal,
     kept_sites,
+    names_read,
     tokenizer_calls,
 )
 
@@ -567,7 +568,12 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
     """The cell's work under ``torch.inference_mode()``, with ``model.eval()`` for models in training mode
     that have dropout or batch norm."""
     names = {m.name.split(".", 1)[0] for m in ctx.models}
-    to_eval = tuple(m.name for m in ctx.models if m.train_mode and m.mode_layers and m.name.isidentifier())
+    # Only the models this cell runs: one of an earlier cell in training mode is not this cell's to switch.
+    to_eval = tuple(
+        m.name
+        for m in ctx.models
+        if m.train_mode and m.mode_layers and m.name.isidentifier() and m.name in names_read(ctx.source)
+    )
     new_source = no_grad_source(ctx.source, names, to_eval)
     why = (
         "With autograd on, every forward pass records a graph and keeps the activations the backward pass "
