@@ -246,7 +246,7 @@ describe('the run card', () => {
     expect(card.classList).toContain('oommagic-run-fits');
     expect(card.querySelector('.oommagic-status')?.textContent).toBe('fits');
     expect(card.querySelector('.oommagic-run-fits-line')?.textContent).toMatch(
-      /^fits with Batch 64 → 12 .*: peak 60\.00 MiB of 64\.00 MiB$/
+      /^fits with Batch 64 → 12.*: peak 60\.00 MiB of 64\.00 MiB$/
     );
     const fixes = [...card.querySelectorAll('.oommagic-applied-fix')];
     expect(

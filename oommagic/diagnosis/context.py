@@ -18,7 +18,7 @@ import types
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..oom import OOMReport
@@ -79,11 +79,12 @@ def scan_namespace(
     applied: Iterable[str] = (),
     error: BaseException | None = None,
     pins: tuple[Pin, ...] = (),
+    grown: int | None = None,
 ) -> NamespaceScan:
     """Read tensors, modules and optimizers in ``namespace`` (one level into containers and objects) as
     they sit on ``device``, and from ``error``'s traceback the failing frames and what the cell's loops
     keep in them. Read-only and silent; does not initialise CUDA. ``pins``: what ``diagnosis.pins`` found
-    pinned when the run started."""
+    pinned when the run started; ``grown``: the bytes the cell had allocated on the device when it failed."""
     import torch
 
     with warnings.catch_warnings():
@@ -93,7 +94,7 @@ def scan_namespace(
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
         leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
-        models = models + _model_being_built(error, models, source, trains, checkpointing)
+        models = models + _model_being_built(error, models, source, trains, checkpointing, grown)
         frames, scopes = failing_frames(error, namespace, source)
         return NamespaceScan(
             leftovers=leftovers,
@@ -150,7 +151,12 @@ def failing_frames(
 
 
 def _model_being_built(
-    error: BaseException | None, models: tuple[ModelInfo, ...], source: str, trains: bool, checkpointing: bool
+    error: BaseException | None,
+    models: tuple[ModelInfo, ...],
+    source: str,
+    trains: bool,
+    checkpointing: bool,
+    grown: int | None = None,
 ) -> tuple[ModelInfo, ...]:
     """The model the failing line was building or moving (``model = Auto...(config).to(device)`` ran out
     inside ``Module.to``): not bound to a name yet, it is the outermost module a failing frame works on
@@ -159,22 +165,29 @@ def _model_being_built(
 
     if error is None or models:  # a model bound already is the one the findings speak of
         return ()
-    tb, found = error.__traceback__, None
-    while tb is not None and found is None:
+    tb, found, seen, total, constructing = error.__traceback__, None, set(), 0, False
+    while tb is not None:
         with contextlib.suppress(Exception):
             candidate = dict.get(tb.tb_frame.f_locals, "self")
             if issubclass(type(candidate), torch.nn.Module):
-                found = candidate
+                constructing = constructing or tb.tb_frame.f_code.co_name in ("__init__", "reset_parameters")
+                found = found if found is not None else candidate
+                # A model that ran out while it was being constructed: its parts made so far are not
+                # registered in the outer module yet, so each constructor's `self` adds its own.
+                for p in candidate.parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        total += p.numel() * p.element_size()
         tb = tb.tb_next
-    if found is None:
-        return ()
-    # Weights partly moved already count once: the whole model is what the line needs. (A model that ran
-    # out while it was being constructed has no parameters registered yet: nothing to say.)
-    total = sum(p.numel() * p.element_size() for p in found.parameters())
-    if not total or any(m.param_bytes >= total for m in models):
+    if constructing and grown and torch.get_default_dtype() == torch.float32:
+        # Parts made so far that no module holds yet (a list of layers being built): what the cell had
+        # allocated by then is those weights, made in the default dtype.
+        total = max(total, grown)
+    # Weights partly moved already count once: the whole model is what the line needs.
+    if found is None or not total or any(m.param_bytes >= total for m in models):
         return ()
     name = next((n for n in cell.assigned_calls(source)), "model")
-    return (_model_info(name, found, total, trains, checkpointing, None),)
+    return (replace(_model_info(name, found, total, trains, checkpointing, None), building=True),)
 
 
 def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept, ...]:

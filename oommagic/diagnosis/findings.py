@@ -185,6 +185,7 @@ class ModelInfo:
     )
     train_mode: bool = False  # module.training, whatever the cell does
     mode_layers: bool = False  # has dropout or batch-norm layers, whose results depend on train()/eval()
+    building: bool = False  # the failing line was building or moving it: not bound to its name yet
 
     @property
     def state_bytes(self) -> int:

@@ -120,6 +120,11 @@ class FixPlan:
         """The cheapest entry verified to fit, if any."""
         return next((e for e in self.entries if e.verdict == FITS), None)
 
+    def measured(self, kind: str) -> PlanEntry | None:
+        """The measured entry of the single fix ``kind`` (the plan's own size of it, which can differ
+        from the finding's first guess), if a trial measured one."""
+        return next((e for e in self.entries if e.kind == kind and e.verdict != NOT_MEASURED), None)
+
     def to_json(self) -> dict:
         return {
             "entries": [e.to_json() for e in self.entries],

@@ -15,6 +15,7 @@ from .rewrite import (
     accumulate_loops,
     accumulates,
     changed_lines,
+    default_dtype_source,
     insert_after_assignment,
     keep_numbers_source,
     load_source,
@@ -33,6 +34,7 @@ from .source import (
     kept_sites,
     names_read,
     tokenizer_calls,
+    tree_of,
 )
 
 MIB = 1024**2
@@ -282,7 +284,9 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
             title += f" (effective batch {effective}, was {guess.value})"
     else:
         title = f"Batch {guess.value} → {new}"
-        if new < guess.value:
+        # Only an optimizer step has an effective batch: an evaluation's results do not depend on it.
+        trains = fig.training or ctx.trains
+        if new < guess.value and trains:
             title += f" (effective batch {new}, was {guess.value})"
     why = f"The per-batch memory scales with {guess.name}."
     if acc > 1 and keeps:
@@ -290,7 +294,7 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
             f" Gradients accumulate over {acc} micro-batches of {new} before each optimizer step, so each "
             f"step still sees {new * acc} samples (the loss is divided by {acc})."
         )
-    elif new < guess.value:
+    elif new < guess.value and (fig.training or ctx.trains):
         why += (
             " The accumulation could not be written into this cell, so each optimizer step sees fewer "
             "samples; the snippet shows the loop with accumulation."
@@ -302,7 +306,7 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
         code = f"{guess.name} = {new}"
         if guess.accumulation is not None and acc > 1:
             code += f"\n{guess.accumulation[0]} = {guess.accumulation[1] * acc}"
-    if new < guess.value and not (acc > 1 and keeps):
+    if new < guess.value and not (acc > 1 and keeps) and (fig.training or ctx.trains):
         code += "\n" + _accumulation_loop(max(acc, 2), "Accelerator" in ctx.source)
     return _made(
         fig,
@@ -318,7 +322,7 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
             "new": new,
             "accumulate": acc if keeps else 1,
             "where": guess.where,
-            "keeps_effective": bool(keeps) or new >= guess.value,
+            "keeps_effective": bool(keeps) or new >= guess.value or not (fig.training or ctx.trains),
             **(
                 {"accumulation": [guess.accumulation[0], guess.accumulation[1], guess.accumulation[1] * acc]}
                 if guess.accumulation is not None and acc > 1 and keeps
@@ -408,6 +412,9 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         quant = "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)"
         imports = ("import torch", "from transformers import BitsAndBytesConfig")
         return load_source(source, {"quantization_config": quant}, imports) or source
+    if remedy.kind == "quantize" and p.get("statement"):
+        restore = p.get("restore", "float32")
+        return default_dtype_source(source, statement=p["statement"], restore=restore) or source
     if remedy.kind == "quantize" and p.get("models"):
         return "import torch\n" + "".join(f"{n}.to(torch.bfloat16)\n" for n in p["models"]) + source
     if remedy.kind == "offload":
@@ -642,6 +649,26 @@ def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:
     )
 
 
+def _default_dtype() -> str:
+    import torch
+
+    return str(torch.get_default_dtype()).removeprefix("torch.")
+
+
+def _statement_at(source: str, line: int) -> str | None:
+    """The first line, stripped, of the simple statement of ``source`` that spans ``line``."""
+    import ast
+
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        simple = isinstance(node, ast.stmt) and not hasattr(node, "body")
+        if simple and node.lineno <= line <= (node.end_lineno or node.lineno):
+            return source.split("\n")[node.lineno - 1].strip()
+    return None
+
+
 def _dtype_keyword(version: str | None) -> str:
     """transformers 4.56 renamed ``torch_dtype=`` to ``dtype=``; older versions only know the first."""
     try:
@@ -660,8 +687,23 @@ def weights_remedies(
     half = fp32_bytes // 2
     why = "bfloat16 stores each weight in 2 bytes instead of float32's 4; results differ only in rounding."
     keyword = _dtype_keyword(ctx.transformers_version)
+    building = next((m for m in ctx.models if m.building), None)
+    params: dict = {"dtype": "bfloat16", "loads": loads, "models": hf_names, "keyword": keyword}
     if loads:
         new = load_source(ctx.source, {keyword: "torch.bfloat16"}, ("import torch",))
+    elif building is not None and ctx.failing_line:
+        # The failing line builds the model: every weight made in bfloat16 from the start.
+        new = default_dtype_source(ctx.source, ctx.failing_line, restore=_default_dtype())
+        params.update(
+            models=[], statement=_statement_at(ctx.source, ctx.failing_line), restore=_default_dtype()
+        )
+        if not building.is_hf:
+            # A Hugging Face model casts what it embeds; a plain module's float32 inputs would meet
+            # bfloat16 weights: autocast casts them where they meet (matrix products, convolutions).
+            params["autocast"] = "bfloat16"
+            why += (
+                " The cell runs under bfloat16 autocast too, so float32 inputs meet the weights in bfloat16."
+            )
     elif hf_names:
         lines = "\n".join(f"{n}.to(torch.bfloat16)" for n in hf_names)
         new = f"import torch\n{lines}\n{ctx.source}"
@@ -678,7 +720,7 @@ def weights_remedies(
             half,
             code=code,
             automatic=new is not None,
-            params={"dtype": "bfloat16", "loads": loads, "models": hf_names, "keyword": keyword},
+            params=params,
             new_source=new,
         )
     )

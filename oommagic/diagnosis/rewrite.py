@@ -344,6 +344,45 @@ def wrap_lines(source: str, first: int, last: int, header: str, before: tuple[st
     return _checked("\n".join([*lines[: first - 1], *head, *body, *lines[last:]]))
 
 
+def default_dtype_source(
+    source: str,
+    line: int | None = None,
+    statement: str | None = None,
+    dtype: str = "bfloat16",
+    restore: str = "float32",
+) -> str | None:
+    """The cell with the one statement that builds a model (the simple statement on ``line``, or the one
+    whose first line reads ``statement``) run with torch's default dtype set to ``dtype``, put back to
+    ``restore`` after it even when it fails: every parameter it makes is created in ``dtype``, however the
+    model is built (``from_config``, a module's constructor, ``.to(device)`` after). None where no such
+    statement is found or the result does not parse."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    lines = source.split("\n")
+    simple = [n for n in ast.walk(tree) if isinstance(n, ast.stmt) and not hasattr(n, "body")]
+    if statement is not None:
+        found = [n for n in simple if lines[n.lineno - 1].strip() == statement]
+    else:
+        found = [n for n in simple if line is not None and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    if not found:
+        return None
+    node = found[0]
+    first, last = node.lineno, node.end_lineno or node.lineno
+    indent = lines[first - 1][: node.col_offset]
+    body = [("    " + text) if text.strip() else text for text in lines[first - 1 : last]]
+    block = [
+        f"{indent}torch.set_default_dtype(torch.{dtype})",
+        f"{indent}try:",
+        *body,
+        f"{indent}finally:",
+        f"{indent}    torch.set_default_dtype(torch.{restore})",
+    ]
+    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    head = [] if named else ["import torch"]
+    return _checked("\n".join([*head, *lines[: first - 1], *block, *lines[last:]]))
+
+
 def no_grad_source(
     source: str, names: frozenset[str] | set[str] = frozenset(), eval_models: tuple[str, ...] = ()
 ) -> str | None:

@@ -233,13 +233,19 @@ def _weights(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> F
         f"line {x.line} `{x.func}({x.what!r})` loads {fmt(x.bytes)} of {x.dtype or 'float32'} weights"
         for x in loads
     ]
-    parts += [f"{m.name} holds {fmt(m.param_bytes)} of {m.dtype} weights on the device" for m in models]
+    parts += [
+        f"{m.name}, built on the failing line, had {fmt(m.param_bytes)} of {m.dtype} weights on the device "
+        "when the memory ran out"
+        if m.building
+        else f"{m.name} holds {fmt(m.param_bytes)} of {m.dtype} weights on the device"
+        for m in models
+    ]
     fp32 = max(sum(x.bytes for x in loads), sum(m.param_bytes for m in models))
     evidence = (
         "; ".join(parts) + f": {fp32 / fig.budget:.0%} of the {fmt(fig.budget)} {what}, leaving "
         f"{fmt(max(fig.budget - fp32, 0))} for everything else. In bfloat16 they take {fmt(fp32 // 2)}."
     )
-    hf = [m.name for m in models if m.is_hf and m.name.isidentifier()]
+    hf = [m.name for m in models if m.is_hf and m.name.isidentifier() and not m.building]
     remedies = fix.weights_remedies(ctx, fig, fp32, bool(loads), hf)
     return _finding("weights", "Weights take most of the budget", evidence, remedies, fig)
 
@@ -314,6 +320,11 @@ def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | No
     where = _where(ctx)
     note = f" The failure came in an evaluation{where}, so the training batch is not the knob."
     found = ctx.eval_batch
+    if found is None and _batch_is_the_evaluations(ctx, fig):
+        # The cell's own batch (a loop over slices, a setting of the trainer it evaluates with) is the
+        # evaluation's batch: the cell trains nothing, or the setting is the evaluation one.
+        batch, why = _batch_remedy(ctx, fig, training=False)
+        return batch, f" The failure came in an evaluation{where}, whose batch is {ctx.batch.name}." + why
     if found is None:
         return None, note + (
             " No evaluation batch size is set in the cell (`per_device_eval_batch_size=`, or `batch_size=` "
@@ -324,13 +335,29 @@ def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | No
     return fix.eval_batch(ctx, fig, found, found.value // 2), note
 
 
+def _batch_is_the_evaluations(ctx: DiagnosisContext, fig: Figures) -> bool:
+    guess = ctx.batch
+    if guess is None:
+        return False
+    if guess.where == "attribute":
+        return "eval" in guess.name.rsplit(".", 1)[-1]
+    return not (fig.training or ctx.trains)
+
+
+# Decorators' inner functions: a frame of one says nothing a person recognises.
+_GLUE = frozenset({"wrapper", "wrapped", "inner", "decorate_context", "decorated", "wrapped_func", "fn", "f"})
+
+
 def _where(ctx: DiagnosisContext) -> str:
     """' (line 7 of the cell, in evaluation_loop())' from the failing frames."""
     line = ctx.failing_line
     last = max((i for i, f in enumerate(ctx.frames) if f.in_cell), default=None)
     # The first library function the cell called there: the one a person recognises.
     after = ctx.frames[last + 1 :] if last is not None else ()
-    inner = next((f.function for f in after if not f.function.startswith(("_", "<"))), None)
+    inner = next(
+        (f.function for f in after if not f.function.startswith(("_", "<")) and f.function not in _GLUE),
+        None,
+    )
     parts = [f"line {line} of the cell" if line else "", f"in {inner}()" if inner else ""]
     text = ", ".join(p for p in parts if p)
     return f" ({text})" if text else ""

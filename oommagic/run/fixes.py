@@ -70,8 +70,8 @@ def holding(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractConte
             values[path] = new_steps
         values.update({path: new for path, _, new in params.get("mirrors", [])})
         return _set_attributes(shell.user_ns, values)
-    if kind == "autocast":
-        return _autocast(device, params.get("dtype", "bfloat16"))
+    if kind == "autocast" or (kind == "quantize" and params.get("autocast")):
+        return _autocast(device, params.get("autocast") or params.get("dtype", "bfloat16"))
     if kind == "expandable_segments":
         return _expandable_segments(device)
     if kind == "empty_cache":

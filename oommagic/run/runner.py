@@ -127,6 +127,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
     interrupted = False
     with contextlib.ExitStack() as stack:
         stack.enter_context(recorder)
+        allocated_before = recorder.allocated()
         stack.enter_context(catch.installed())
         stack.enter_context(in_force(spec.applied, shell, recorder.device))
         counter = stack.enter_context(_bounded(bounds))
@@ -154,7 +155,10 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
             attempt.report = rank_oom or _report(exc, recorder.exact)
             if scan:
                 _what_filled(recorder, [shell.user_ns, *frames_of(exc.__traceback__)])
-                attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, exc, pins)
+                # At the moment of the failure (the message's figure: what the unwinding freed counts).
+                at_failure = attempt.report.allocated if attempt.report.allocated else held_at_failure
+                grown = max(at_failure - allocated_before, 0)
+                attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, exc, pins, grown)
             if not options.keep:
                 attempt.dropped = drop_bound_by_cell(shell.user_ns, ids_before, recorder.device)
             # A trial (no scan) is collected once by its caller, after the user's state is put back.
@@ -247,10 +251,17 @@ def _pins(shell: Any, device: str) -> tuple:
 
 
 def _scan(
-    scan_namespace: Any, namespace: dict, device: str, spec: RunSpec, exc: BaseException, pins: tuple
+    scan_namespace: Any,
+    namespace: dict,
+    device: str,
+    spec: RunSpec,
+    exc: BaseException,
+    pins: tuple,
+    grown: int | None = None,
 ) -> NamespaceScan | None:
     try:
-        return scan_namespace(namespace, device, spec.source, tuple(r.kind for r in spec.applied), exc, pins)
+        applied = tuple(r.kind for r in spec.applied)
+        return scan_namespace(namespace, device, spec.source, applied, exc, pins, grown)
     except Exception as err:  # a diagnosis bug must not hide the report itself
         print(f"%%gpumem: reading the namespace failed ({type(err).__name__}: {err}); the figures stand")
         return None

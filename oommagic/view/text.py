@@ -80,6 +80,17 @@ def rank_lines(run: CellRun) -> list[str]:
     return lines
 
 
+def remedy_line(remedy, plan) -> str:
+    """A finding's fix as the plan measured it ('Batch 32 → 10: fits, measured'), else its first guess
+    marked as one."""
+    entry = plan.measured(remedy.kind) if plan is not None else None
+    if entry is not None:
+        return f"{entry.title}: {entry.verdict}, measured (see the plan)"
+    if plan is not None and plan.entries:
+        return f"{remedy.title} (estimate, not measured)"
+    return remedy.title
+
+
 def render_text(run: CellRun, findings: int = 5) -> str:
     """The report as plain text, in the widget's order: headline, memory by category, the fix plan, the
     findings, the largest allocations, the figures."""
@@ -100,7 +111,7 @@ def render_text(run: CellRun, findings: int = 5) -> str:
     lines += rank_lines(run)
     for f in run.findings[:findings]:
         lines.append(f"- {f.title}: {f.evidence}")
-        lines += [f"    fix: {r.title}" for r in f.remedies[:3]]
+        lines += [f"    fix: {remedy_line(r, plan)}" for r in f.remedies[:3]]
     lines += top_text(run)
     width = max(len(label) for label, _ in figures(run))
     lines.append("figures:")

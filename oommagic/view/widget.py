@@ -138,15 +138,25 @@ def plan_html(run: CellRun) -> str:
     return block("".join(parts))
 
 
-def finding_html(finding: Any) -> str:
+def finding_html(finding: Any, plan: Any = None) -> str:
     saving = f" — saves ~{format_bytes(finding.saving)}" if finding.saving else ""
     parts = [
         f"<div><b>{_rich(finding.title)}</b>{_esc(saving)}</div>",
         f"<div style='color:#444'>{_rich(finding.evidence)}</div>",
     ]
     for remedy in finding.remedies:
+        entry = plan.measured(remedy.kind) if plan is not None else None
+        remedy = entry.fixes[0] if entry is not None else remedy  # the plan's measured size of it
+        verdict = (
+            f" <i>({_esc(entry.verdict)}, measured)</i>"
+            if entry is not None
+            else " <i>(estimate)</i>"
+            if plan is not None and plan.entries
+            else ""
+        )
         parts.append(
-            f"<div style='margin-top:0.3em'>• <b>{_rich(remedy.title)}</b>: {_rich(remedy.explanation)}</div>"
+            f"<div style='margin-top:0.3em'>• <b>{_rich(remedy.title)}</b>{verdict}: "
+            f"{_rich(remedy.explanation)}</div>"
         )
         if remedy.code:
             parts.append(f"<pre style='margin:0.2em 0 0 1em;font-size:0.9em'>{_esc(remedy.code)}</pre>")
@@ -265,7 +275,8 @@ class ReportWidget:
         self.plot.layout.display = None if run.timeline.t else "none"
         self.plan.value = plan_html(run) if run.outcome == "oom" else ""
         self.findings.value = "".join(
-            f"<div class='oommagic-finding' style='{_BLOCK}'>{finding_html(f)}</div>" for f in run.findings
+            f"<div class='oommagic-finding' style='{_BLOCK}'>{finding_html(f, run.plan)}</div>"
+            for f in run.findings
         )
         self.top.value = block(top_html(run))
         self.table.value = ranks_html(run) + figures_html(run)

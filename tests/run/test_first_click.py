@@ -1,0 +1,129 @@
+"""The first offered fix fits, in shapes the scenario suite found without one: an evaluation loop whose batch
+is a plain variable of the cell, a Trainer evaluated with the batch set in an earlier cell, and a model
+whose float32 weights do not fit while it is being built. Each: the cell fails under ``--limit``, the
+report widget's first fix is the one that matters, and clicking it gives a run that fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oommagic
+from oommagic.diagnosis.rewrite import default_dtype_source
+from oommagic.run.capture import LEDGER
+from oommagic.run.session import session_for
+from oommagic.view.widget import ReportWidget
+
+
+@pytest.fixture(autouse=True)
+def clean(shell):
+    before = set(shell.user_ns)
+    yield
+    for name in set(shell.user_ns) - before:
+        shell.user_ns.pop(name, None)
+
+
+def first_click(limit_mib: float, cell: str, shell, run_cell):
+    """The cell failed under the limit, then the report's first fix pressed (the widget a person sees;
+    ``--quiet`` only keeps it off the screen)."""
+    run_cell(f"%%gpumem --limit {limit_mib:.3f}MiB --quiet --no-raise --plan-budget 60\n{cell}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    widget = ReportWidget(failed, session_for(shell))
+    assert widget.fixes, [f.title for f in failed.findings]
+    first = widget.fixes[0]
+    return failed, first, widget.click(first.kind)
+
+
+EVAL_LOOP = """\
+batch_size = 64
+sums = []
+with torch.no_grad():
+    for i in range(0, len(rows), batch_size):
+        hidden = encoder(rows[i:i + batch_size])
+        sums.append(hidden.sum(1).cpu())
+"""
+
+
+def test_an_evaluation_loop_gets_its_own_batch_halved_and_fits(shell, run_cell):
+    shell.run_cell(
+        "torch.manual_seed(0)\n"
+        "encoder = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
+        "rows = torch.randn(256, 32, 256)"
+    )
+    run_cell("%%gpumem --quiet -o probe\n" + EVAL_LOOP.replace("64", "8"))
+    probe = shell.user_ns["probe"]
+    # Room for batch 8 and a half again: batch 64 does not fit, a smaller one does.
+    limit = (probe.before_allocated + 1.5 * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    failed, fix, fitted = first_click(limit, EVAL_LOOP, shell, run_cell)
+    ev = next(f for f in failed.findings if f.key == "activations")
+    assert "evaluation" in ev.evidence and "whose batch is batch_size" in ev.evidence, ev.evidence
+    assert fix.kind == "batch" and "effective batch" not in fix.title, fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    assert fitted.applied[0].params["new"] < 64
+    assert "batch_size = 64" not in fitted.source
+
+
+WEIGHTS = """\
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(12)]).to(device)
+with torch.no_grad():
+    out = model(torch.randn(4, 512, device=device))
+"""
+
+
+def test_a_model_too_large_in_float32_while_it_is_built_gets_bfloat16_weights(shell, run_cell):
+    shell.user_ns["device"] = "cpu"
+    weights = 12 * (512 * 512 + 512) * 4
+    limit = (LEDGER.allocated + 0.75 * weights) / 2**20  # float32 weights 4/3 of the card, bfloat16 2/3
+    failed, fix, fitted = first_click(limit, WEIGHTS, shell, run_cell)
+    found = next(f for f in failed.findings if f.key == "weights")
+    assert "built on the failing line" in found.evidence, found.evidence
+    assert fix.kind == "quantize" and fix.title == "bfloat16 weights"
+    assert fitted.outcome == "ok", fitted.headline()
+    assert shell.user_ns["model"][0].weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32, "the default dtype is put back after the line"
+    assert "torch.set_default_dtype(torch.bfloat16)" in fitted.source
+
+
+def test_the_default_dtype_rewrite_wraps_the_one_statement_and_puts_the_dtype_back():
+    source = "x = 1\nfor i in range(2):\n    model = Net(\n        4).to(device)\n    y = model(x)\n"
+    new = default_dtype_source(source, line=4)
+    assert new == (
+        "import torch\nx = 1\nfor i in range(2):\n"
+        "    torch.set_default_dtype(torch.bfloat16)\n    try:\n        model = Net(\n            4).to(device)\n"
+        "    finally:\n        torch.set_default_dtype(torch.float32)\n    y = model(x)\n"
+    )
+    # Found again by its text on a cell another fix changed.
+    again = default_dtype_source("z = 0\n" + source, statement="model = Net(")
+    assert again is not None and again.count("set_default_dtype") == 2
+    assert default_dtype_source(source, line=99) is None
+
+
+TRAINER = """
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+torch.manual_seed(0)
+config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=2000, n_positions=128)
+model = GPT2LMHeadModel(config)
+data = [{"input_ids": torch.randint(0, 2000, (128,)), "labels": torch.randint(0, 2000, (128,))}
+        for _ in range(64)]
+args = TrainingArguments(output_dir="/tmp/oommagic-eval-test", per_device_train_batch_size=4,
+                         per_device_eval_batch_size=2, report_to=[], logging_strategy="no",
+                         save_strategy="no", use_cpu=True, dataloader_pin_memory=False)
+trainer = Trainer(model=model, args=args, eval_dataset=data)
+"""
+
+
+def test_a_trainer_evaluated_with_an_earlier_cells_settings_gets_its_eval_batch_changed(shell, run_cell):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    shell.run_cell(TRAINER)
+    run_cell("%%gpumem --quiet -o probe\ntrainer.evaluate()\n")
+    probe = shell.user_ns["probe"]
+    shell.run_cell("trainer.args.per_device_eval_batch_size = 32")
+    limit = (probe.before_allocated + 4 * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    failed, fix, fitted = first_click(limit, "trainer.evaluate()\n", shell, run_cell)
+    params = fix.fixes[0].params
+    assert fix.kind == "batch" and params["name"] == "trainer.args.per_device_eval_batch_size", params
+    assert fitted.outcome == "ok", fitted.headline()
+    args = shell.user_ns["trainer"].args
+    assert args.per_device_eval_batch_size < 32 and args.per_device_train_batch_size == 4
