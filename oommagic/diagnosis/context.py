@@ -105,7 +105,7 @@ def scan_namespace(
             prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
             helpers=training_helpers(source, namespace),
-            settings_batch=settings_batch(source, namespace),
+            settings_batch=settings_batch(source, namespace) or expression_batch(source, namespace),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
             grad_enabled=bool(torch.is_grad_enabled()),
@@ -322,7 +322,7 @@ def make_context(
         limit=recording.limit,
         device=recording.device,
         leftovers=tuple(x for x in scan.leftovers if x.name not in gone),
-        batch=cell.find_batch(source, ints, batch_name) or scan.settings_batch,
+        batch=cell.find_batch(source, ints, batch_name) or scan.settings_batch or cell.step_batch(source),
         models=scan.models,
         other_gpus=other_gpus,
         processes=processes,
@@ -462,6 +462,21 @@ def settings_batch(source: str, namespace: Mapping) -> BatchGuess | None:
         copied = instance_dict(namespace[owner]).get("_train_batch_size")
         mirrors = ((f"{owner}._train_batch_size", copied),) if type(copied) is int and not evaluating else ()
         return BatchGuess(f"{owner}.args.{key}", value, "attribute", accumulation, mirrors)
+    return None
+
+
+def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch the cell reads from an object of the namespace (``cfg.batch_size``, ``S["batch"]``), its
+    value read from plain dicts and instance dicts only (no property, no ``__getitem__`` of a user class)."""
+    for path in cell.batch_expressions(source):
+        value: Any = namespace.get(path[0])
+        for part in path[1:]:
+            value = value.get(part) if type(value) is dict else instance_dict(value).get(part)
+        if type(value) is int and value >= 1:
+            text = path[0] + "".join(f"[{p!r}]" if not p.isidentifier() else f".{p}" for p in path[1:])
+            if type(namespace.get(path[0])) is dict:
+                text = path[0] + "".join(f"[{p!r}]" for p in path[1:])
+            return BatchGuess(text, value, "expression", path=path)
     return None
 
 

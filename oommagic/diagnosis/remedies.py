@@ -315,13 +315,14 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
         why,
         saving,
         code=code,
-        automatic=new_source is not None or guess.where != "source",
+        automatic=new_source is not None or guess.where in ("namespace", "option", "attribute"),
         params={
             "name": guess.name,
             "old": guess.value,
             "new": new,
             "accumulate": acc if keeps else 1,
             "where": guess.where,
+            **({"path": list(guess.path)} if guess.path else {}),
             "keeps_effective": bool(keeps) or new >= guess.value or not (fig.training or ctx.trains),
             **(
                 {"accumulation": [guess.accumulation[0], guess.accumulation[1], guess.accumulation[1] * acc]}
@@ -347,7 +348,8 @@ def batch_source(
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
-    rewritten = rewrite_batch(source, guess, new, acc) if guess.where == "source" else source
+    written = guess.where in ("source", "expression", "step")
+    rewritten = rewrite_batch(source, guess, new, acc) if written else source
     if rewritten is None:
         return None, False
     if acc <= 1:
@@ -386,8 +388,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     p = remedy.params
     if remedy.new_source is None:
         return source
-    if remedy.kind == "batch" and p.get("where") == "source":
-        guess = BatchGuess(p["name"], p["old"], "source")
+    if remedy.kind == "batch" and p.get("where") in ("source", "expression", "step"):
+        guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
         return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1))[0] or source
     if remedy.kind in ("max_new_tokens", "num_beams"):
         for func in calls_with_keyword(source, p["keyword"]) or ("generate",):

@@ -19,7 +19,9 @@ from .source import (
     binding_sites,
     call_matches,
     dotted_name,
+    expression_nodes,
     int_literal,
+    step_literals,
     target_names,
     tree_of,
 )
@@ -37,6 +39,17 @@ def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: in
     if tree is None:
         return None
     src = SourceText(source)
+    if guess.where in ("expression", "step"):
+        # `cfg.batch_size` / `S["batch"]` read by the cell, or a loop's literal step and slice ends:
+        # each occurrence becomes the new number (a plain loop gets no invented accumulation).
+        nodes = (
+            expression_nodes(tree, tuple(guess.path))
+            if guess.where == "expression"
+            else step_literals(source, guess.value)
+        )
+        if not nodes:
+            return None
+        return _checked(_apply(source, [(*src.span(n), str(new_value)) for n in nodes]))
     sites = binding_sites(tree)
     batch = [s for s in sites if s.name == guess.name and int_literal(s.value) is not None]
     batch = [s for s in batch if int_literal(s.value) == guess.value] or batch

@@ -50,7 +50,9 @@ class BatchGuess:
     namespace) or ``"attribute"`` (a setting of an object the cell uses, ``trainer.args.
     per_device_train_batch_size``: ``name`` is that dotted path, ``accumulation`` the path and value of the
     object's accumulation setting, ``mirrors`` other settings that copy the batch (path, value), e.g. the
-    Trainer's ``_train_batch_size``, fixed when it was made).
+    Trainer's ``_train_batch_size``, fixed when it was made), ``"expression"`` (the cell reads it from an
+    object, ``cfg.batch_size`` or ``S["batch"]``: ``path`` is its chain, a rewrite writes the number in its
+    place) or ``"step"`` (a loop over slices with a literal step, ``range(0, n, 128)`` and ``x[i:i + 128]``).
     """
 
     name: str
@@ -58,6 +60,7 @@ class BatchGuess:
     where: str = "source"
     accumulation: tuple[str, int] | None = None
     mirrors: tuple[tuple[str, int], ...] = ()
+    path: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,108 @@ def find_batch(
             if ref in names and _is_count(namespace_names.get(ref)):
                 return BatchGuess(ref, namespace_names[ref], "namespace")
     return None
+
+
+def batch_expressions(source: str) -> tuple[tuple[str, ...], ...]:
+    """The batch settings the cell reads from an object: ``cfg.batch_size``, ``S["batch"]``,
+    ``config.train.bs`` — an attribute or string key named like a batch size, on a chain rooted at a name.
+    Each as its path (``("S", "batch")``), in source order."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    found: list[tuple[str, ...]] = []
+    for node in sorted(
+        (n for n in ast.walk(tree) if isinstance(n, (ast.Attribute, ast.Subscript))),
+        key=lambda n: (n.lineno, n.col_offset),
+    ):
+        if not isinstance(getattr(node, "ctx", None), ast.Load):
+            continue
+        path = _path_of(node)
+        if path and len(path) >= 2 and path[-1] in BATCH_NAMES and path not in found:
+            found.append(path)
+    return tuple(found)
+
+
+def _path_of(node: ast.expr) -> tuple[str, ...] | None:
+    """``("cfg", "train", "batch_size")`` for ``cfg.train["batch_size"]``; None for anything else."""
+    parts: list[str] = []
+    while True:
+        if isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        elif isinstance(node, ast.Subscript):
+            key = node.slice
+            if not (isinstance(key, ast.Constant) and isinstance(key.value, str)):
+                return None
+            parts.append(key.value)
+            node = node.value
+        elif isinstance(node, ast.Name):
+            parts.append(node.id)
+            return tuple(reversed(parts))
+        else:
+            return None
+
+
+def expression_nodes(tree: ast.Module, path: tuple[str, ...]) -> list[ast.expr]:
+    """The loads of ``path`` (see ``batch_expressions``) in ``tree``."""
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Attribute, ast.Subscript))
+        and isinstance(getattr(n, "ctx", None), ast.Load)
+        and _path_of(n) == path
+    ]
+
+
+def step_batch(source: str) -> BatchGuess | None:
+    """The batch of a loop over slices written with a literal: ``for i in range(0, len(X), 128)`` whose
+    body slices ``X[i:i + 128]``. Named by the loop's ``range(...)``."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
+            continue
+        it = loop.iter
+        if not (isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3):
+            continue
+        step = int_literal(it.args[2])
+        if step is None or step < 2 or not _step_slices(loop, loop.target.id, step):
+            continue
+        return BatchGuess(f"range(…, {step})", step, "step")
+    return None
+
+
+def _step_slices(loop: ast.AST, index: str, step: int) -> list[ast.expr]:
+    """The literals ``step`` in the slices ``x[index:index + step]`` inside ``loop``."""
+    found = []
+    for node in ast.walk(loop):
+        if not (isinstance(node, ast.Slice) and isinstance(node.lower, ast.Name) and node.lower.id == index):
+            continue
+        upper = node.upper
+        if isinstance(upper, ast.BinOp) and isinstance(upper.op, ast.Add):
+            for side in (upper.left, upper.right):
+                if int_literal(side) == step:
+                    found.append(side)
+    return found
+
+
+def step_literals(source: str, step: int) -> list[ast.expr]:
+    """Every literal of the batch ``step_batch`` found: the ``range`` step and the slices' ends."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    out: list[ast.expr] = []
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
+            continue
+        it = loop.iter
+        ranged = isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3
+        if ranged and int_literal(it.args[2]) == step:
+            slices = _step_slices(loop, loop.target.id, step)
+            if slices:
+                out += [it.args[2], *slices]
+    return out
 
 
 def _is_count(value: object) -> bool:

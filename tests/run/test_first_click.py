@@ -127,3 +127,37 @@ def test_a_trainer_evaluated_with_an_earlier_cells_settings_gets_its_eval_batch_
     assert fitted.outcome == "ok", fitted.headline()
     args = shell.user_ns["trainer"].args
     assert args.per_device_eval_batch_size < 32 and args.per_device_train_batch_size == 4
+
+
+# The batch written other ways people write it: a key of a settings dict, a loop's literal step.
+DICT_LOOP = EVAL_LOOP.replace("batch_size = 64\n", "").replace("batch_size", 'S["batch"]')
+STEP_LOOP = EVAL_LOOP.replace("batch_size = 64\n", "").replace("batch_size", "64")
+
+
+@pytest.mark.parametrize("cell", [DICT_LOOP, STEP_LOOP], ids=["dict-key", "literal-step"])
+def test_a_batch_read_from_a_dict_or_written_as_a_loop_step_is_rewritten_and_fits(shell, run_cell, cell):
+    shell.run_cell(
+        "torch.manual_seed(0)\n"
+        "encoder = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
+        "rows = torch.randn(256, 32, 256)\nS = {'batch': 64}"
+    )
+    run_cell("%%gpumem --quiet -o probe\n" + STEP_LOOP.replace("64", "8"))
+    probe = shell.user_ns["probe"]
+    limit = (probe.before_allocated + 1.5 * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    failed, fix, fitted = first_click(limit, cell, shell, run_cell)
+    assert failed.context.batch.value == 64
+    assert fix.kind == "batch", fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    new = fitted.applied[0].params["new"]
+    assert f"range(0, len(rows), {new})" in fitted.source and f"rows[i:i + {new}]" in fitted.source
+    assert shell.user_ns["S"] == {"batch": 64}, "the settings dict is the person's own"
+
+
+def test_batch_expressions_and_steps_are_read_from_the_cell():
+    from oommagic.diagnosis.source import batch_expressions, step_batch
+
+    src = 'for i in range(0, n, cfg.train.batch_size):\n    f(x[i:i + S["bs"]], opts["lr"], cfg.batch_size)\n'
+    assert batch_expressions(src) == (("cfg", "train", "batch_size"), ("S", "bs"), ("cfg", "batch_size"))
+    assert step_batch("for i in range(0, len(x), 32):\n    y = x[i:i + 32]\n").value == 32
+    # A step that no slice uses is not a batch.
+    assert step_batch("for i in range(0, 100, 32):\n    print(i)\n") is None
