@@ -322,7 +322,10 @@ def make_context(
         limit=recording.limit,
         device=recording.device,
         leftovers=tuple(x for x in scan.leftovers if x.name not in gone),
-        batch=cell.find_batch(source, ints, batch_name) or scan.settings_batch or cell.step_batch(source),
+        batch=cell.find_batch(source, ints, batch_name)
+        or scan.settings_batch
+        or cell.step_batch(source)
+        or cell.shape_batch(source),
         models=scan.models,
         other_gpus=other_gpus,
         processes=processes,

@@ -21,6 +21,7 @@ from .source import (
     dotted_name,
     expression_nodes,
     int_literal,
+    shape_literals,
     step_literals,
     target_names,
     tree_of,
@@ -39,13 +40,15 @@ def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: in
     if tree is None:
         return None
     src = SourceText(source)
-    if guess.where in ("expression", "step"):
+    if guess.where in ("expression", "step", "shape"):
         # `cfg.batch_size` / `S["batch"]` read by the cell, or a loop's literal step and slice ends:
         # each occurrence becomes the new number (a plain loop gets no invented accumulation).
         nodes = (
             expression_nodes(tree, tuple(guess.path))
             if guess.where == "expression"
             else step_literals(source, guess.value)
+            if guess.where == "step"
+            else shape_literals(source, guess.value)
         )
         if not nodes:
             return None

@@ -52,7 +52,8 @@ class BatchGuess:
     object's accumulation setting, ``mirrors`` other settings that copy the batch (path, value), e.g. the
     Trainer's ``_train_batch_size``, fixed when it was made), ``"expression"`` (the cell reads it from an
     object, ``cfg.batch_size`` or ``S["batch"]``: ``path`` is its chain, a rewrite writes the number in its
-    place) or ``"step"`` (a loop over slices with a literal step, ``range(0, n, 128)`` and ``x[i:i + 128]``).
+    place), ``"step"`` (a loop over slices with a literal step, ``range(0, n, 128)`` and ``x[i:i + 128]``) or
+    ``"shape"`` (the first dimension of the data a loop makes, ``torch.randn(64, 3, 224, 224)``).
     """
 
     name: str
@@ -343,6 +344,56 @@ def step_literals(source: str, step: int) -> list[ast.expr]:
             if slices:
                 out += [it.args[2], *slices]
     return out
+
+
+_FACTORIES = frozenset({"randn", "rand", "randint", "zeros", "ones", "empty", "full", "normal", "randperm"})
+
+
+def _leading_size(call: ast.Call) -> ast.expr | None:
+    """The node of the first dimension a torch factory call makes: ``64`` in ``torch.randn(64, 3)``,
+    ``torch.zeros((64, 3))``, ``torch.randint(0, 10, (64,))`` or ``size=(64, 3)``."""
+    name = dotted_name(call.func)
+    if not (name.startswith("torch.") and name.rsplit(".", 1)[-1] in _FACTORIES) or name == "torch.randperm":
+        return None
+    size = next((kw.value for kw in call.keywords if kw.arg == "size"), None)
+    if size is None and call.args:
+        if name.endswith("randint"):
+            size = call.args[-1] if isinstance(call.args[-1], (ast.Tuple, ast.List)) else None
+        elif name.endswith(("full", "normal")):
+            size = call.args[0] if isinstance(call.args[0], (ast.Tuple, ast.List)) else None
+        else:
+            size = call.args[0]
+    if isinstance(size, (ast.Tuple, ast.List)):
+        size = size.elts[0] if size.elts else None
+    return size if size is not None and int_literal(size) is not None else None
+
+
+def shape_batch(source: str) -> BatchGuess | None:
+    """The batch of a loop that makes its data in place: the first dimension, written as a literal of 2
+    or more, of a torch factory call inside a loop (``torch.randint(0, V, (64, 512))``). Every such call
+    with that first dimension makes the batch (inputs and labels alike)."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for loop in ast.walk(tree):
+        if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
+            continue
+        for node in ast.walk(loop):
+            if isinstance(node, ast.Call):
+                size = _leading_size(node)
+                value = int_literal(size) if size is not None else None
+                if value is not None and value >= 2:
+                    return BatchGuess(f"the first dimension of {dotted_name(node.func)}(…)", value, "shape")
+    return None
+
+
+def shape_literals(source: str, value: int) -> list[ast.expr]:
+    """Every first-dimension literal ``value`` of the cell's torch factory calls (see ``shape_batch``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    sizes = [_leading_size(n) for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    return [n for n in sizes if n is not None and int_literal(n) == value]
 
 
 def _is_count(value: object) -> bool:

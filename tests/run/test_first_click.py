@@ -48,7 +48,8 @@ with torch.no_grad():
 def test_an_evaluation_loop_gets_its_own_batch_halved_and_fits(shell, run_cell):
     shell.run_cell(
         "torch.manual_seed(0)\n"
-        "encoder = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
+        "encoder = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
         "rows = torch.randn(256, 32, 256)"
     )
     run_cell("%%gpumem --quiet -o probe\n" + EVAL_LOOP.replace("64", "8"))
@@ -90,7 +91,8 @@ def test_the_default_dtype_rewrite_wraps_the_one_statement_and_puts_the_dtype_ba
     new = default_dtype_source(source, line=4)
     assert new == (
         "import torch\nx = 1\nfor i in range(2):\n"
-        "    torch.set_default_dtype(torch.bfloat16)\n    try:\n        model = Net(\n            4).to(device)\n"
+        "    torch.set_default_dtype(torch.bfloat16)\n    try:\n"
+        "        model = Net(\n            4).to(device)\n"
         "    finally:\n        torch.set_default_dtype(torch.float32)\n    y = model(x)\n"
     )
     # Found again by its text on a cell another fix changed.
@@ -121,7 +123,7 @@ def test_a_trainer_evaluated_with_an_earlier_cells_settings_gets_its_eval_batch_
     probe = shell.user_ns["probe"]
     shell.run_cell("trainer.args.per_device_eval_batch_size = 32")
     limit = (probe.before_allocated + 4 * (probe.peak_allocated - probe.before_allocated)) / 2**20
-    failed, fix, fitted = first_click(limit, "trainer.evaluate()\n", shell, run_cell)
+    _, fix, fitted = first_click(limit, "trainer.evaluate()\n", shell, run_cell)
     params = fix.fixes[0].params
     assert fix.kind == "batch" and params["name"] == "trainer.args.per_device_eval_batch_size", params
     assert fitted.outcome == "ok", fitted.headline()
@@ -138,7 +140,8 @@ STEP_LOOP = EVAL_LOOP.replace("batch_size = 64\n", "").replace("batch_size", "64
 def test_a_batch_read_from_a_dict_or_written_as_a_loop_step_is_rewritten_and_fits(shell, run_cell, cell):
     shell.run_cell(
         "torch.manual_seed(0)\n"
-        "encoder = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
+        "encoder = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
         "rows = torch.randn(256, 32, 256)\nS = {'batch': 64}"
     )
     run_cell("%%gpumem --quiet -o probe\n" + STEP_LOOP.replace("64", "8"))
@@ -161,3 +164,49 @@ def test_batch_expressions_and_steps_are_read_from_the_cell():
     assert step_batch("for i in range(0, len(x), 32):\n    y = x[i:i + 32]\n").value == 32
     # A step that no slice uses is not a batch.
     assert step_batch("for i in range(0, 100, 32):\n    print(i)\n") is None
+
+
+SYNTHETIC = """\
+for step in range(3):
+    x = torch.randn(64, 256, 256)
+    labels = torch.randint(0, 4, (64,))
+    loss = torch.nn.functional.cross_entropy(head(x).mean(1), labels)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_data_made_in_the_loop_gets_its_first_dimension_as_the_batch(shell, run_cell):
+    shell.run_cell(
+        "torch.manual_seed(0)\nhead = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), "
+        "torch.nn.Linear(1024, 4))\nopt = torch.optim.SGD(head.parameters(), lr=0.1)"
+    )
+    run_cell("%%gpumem --quiet -o probe\n" + SYNTHETIC.replace("64", "8"))
+    probe = shell.user_ns["probe"]
+    limit = (probe.before_allocated + 2 * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    failed, fix, fitted = first_click(limit, SYNTHETIC, shell, run_cell)
+    assert failed.context.batch.where == "shape" and failed.context.batch.value == 64
+    assert fix.kind == "batch", fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    new = fitted.applied[0].params["new"]
+    assert f"torch.randn({new}, 256, 256)" in fitted.source and f"(0, 4, ({new},))" in fitted.source
+
+
+def test_the_first_dimension_of_factory_calls_is_read_in_every_spelling():
+    from oommagic.diagnosis.source import shape_batch, shape_literals
+
+    for call, value in [
+        ("torch.randn(32, 3)", 32),
+        ("torch.zeros((16, 8), device=d)", 16),
+        ("torch.randint(0, 9, (12, 5))", 12),
+        ("torch.full((6, 2), 0.5)", 6),
+        ("torch.empty(size=(24, 4))", 24),
+    ]:
+        guess = shape_batch(f"for _ in range(2):\n    x = {call}\n")
+        assert guess is not None and guess.value == value, call
+    assert shape_batch("x = torch.randn(32, 3)\n") is None, "outside a loop it is data, not a batch"
+    assert (
+        len(shape_literals("a = torch.randn(8, 3)\nb = torch.randint(0, 2, (8,))\nc = torch.ones(3, 8)", 8))
+        == 2
+    )
