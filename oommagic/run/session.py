@@ -8,6 +8,7 @@ IPython shell (``session_for``).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -42,6 +43,12 @@ class Session:
         self.last_snapshot_bytes = 0
         # run id -> () -> allocator snapshot, for the last few runs (`%gpumem --snapshot`, the button).
         self.snapshots: dict[str, Callable[[], dict | None] | None] = {}
+        # Views told of each new run (a report widget follows the retries the sidebar makes of its cell).
+        self._watchers: list[weakref.WeakMethod] = []
+
+    def watch(self, method: Callable[[CellRun], None]) -> None:
+        """Call the bound ``method`` with every new run while its object lives."""
+        self._watchers.append(weakref.WeakMethod(method))
 
     # --- the actions ----------------------------------------------------------------------------------
 
@@ -215,6 +222,12 @@ class Session:
         if self._publish is not None:
             with contextlib.suppress(Exception):
                 self._publish(run)
+        self._watchers = [ref for ref in self._watchers if ref() is not None]
+        for ref in list(self._watchers):
+            method = ref()
+            if method is not None:
+                with contextlib.suppress(Exception):  # a view's bug must not fail the run
+                    method(run)
         return run
 
 

@@ -257,6 +257,19 @@ class ReportWidget:
         )
         self.root.add_class("oommagic-report")
         self.show(run)
+        if hasattr(actions, "watch"):
+            actions.watch(self._followed)
+
+    def _followed(self, run: CellRun) -> None:
+        """A run made elsewhere (the sidebar's Apply or ✕) from one of this report's runs: shown here
+        too, so the report reads "fits" once the cell fits, wherever the click came from."""
+        mine = {r.id for r in self.runs}
+        if self.busy or run.id in mine or run.parent not in mine:
+            return
+        self.runs.append(run)
+        self.show(run)
+        if run.outcome == "ok":
+            self.headline.value = _fitted_html(run)
 
     @property
     def latest(self) -> CellRun:

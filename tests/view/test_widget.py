@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from oommagic.cellrun import CellRun
 from oommagic.diagnosis.findings import Remedy
 from oommagic.oom import OOMReport
 from oommagic.run.capture import LEDGER
+from oommagic.run.fixes import spec_of
 from oommagic.run.session import session_for
 from oommagic.timeline import Recording
 from oommagic.view.text import render_text
@@ -75,6 +77,20 @@ def test_the_first_offered_fix_is_measured_and_fits(shell, failed):
     assert "oommagic-retry-ok" in widget.headline.value and "fits" in widget.headline.value
     assert widget.fixes == [], "a report that fits offers no more fixes"
     assert len(widget.runs) == 2 and first.title in widget.attempts.value
+
+
+def test_a_fix_applied_from_the_sidebar_turns_the_report_to_fits(shell, failed):
+    widget = widget_for(shell, failed)
+    first = widget.fixes[0]
+    # What the sidebar's Apply does through the comm: the session retries the run it names.
+    fitted = session_for(shell).retry(failed, first.fixes)
+    assert fitted.outcome == "ok", fitted.headline()
+    assert widget.runs[-1] is fitted and len(widget.runs) == 2
+    assert "oommagic-retry-ok" in widget.headline.value and "fits" in widget.headline.value
+    assert widget.fixes == []
+    # A run of another cell is not this report's.
+    other = session_for(shell).run(replace(spec_of(fitted), source="x = 1", parent=None, original=None))
+    assert other not in widget.runs
 
 
 def test_the_batch_fix_keeps_the_samples_per_optimizer_step(shell, failed):
