@@ -166,7 +166,9 @@ def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     named = max(sum(lo.bytes for lo in held), sum(m.param_bytes for m in ctx.models))
     unaccounted = ctx.before_allocated - named - sum(p.bytes for p in ctx.pins)
     big_unaccounted = fig.budget is not None and unaccounted >= FRAGMENTED_SHARE * fig.budget
-    if freeable < NOTICEABLE and not big_unaccounted:
+    # 64 MiB on a card; on a small budget (an emulated one, a slice of a card) a twentieth of it.
+    noticeable = min(NOTICEABLE, 0.05 * fig.budget) if fig.budget else NOTICEABLE
+    if freeable < noticeable and not big_unaccounted:
         return None
     evidence = f"{fmt(ctx.before_allocated)} was allocated before the cell started"
     if held:
@@ -182,7 +184,7 @@ def _leftovers(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
             "IPython's output history (`Out`, `_`; `%reset -f out` clears it)"
         )
     remedies = []
-    if freeable >= NOTICEABLE:
+    if freeable >= noticeable:
         remedies.append(fix.free_leftovers(fig, [lo.name for lo in free], freeable, ctx.device))
     return _finding("leftovers", "Memory held before the cell", evidence + ".", remedies, fig)
 

@@ -107,8 +107,13 @@ class _Measure:
             found.append(self.entry((remedy,)))
         if batch is not None:
             found.append(self.batch_entry(()) or self.entry((batch,)))
-        if not any(e.verdict == FITS for e in found) and batch is not None:
+        # A fix that frees room (leftovers, checkpointing) can make a smaller batch fit where the batch
+        # alone could not (its finding then offers none): combinations try the cell's batch either way.
+        guess = self.run.context.batch if self.run.context is not None else None
+        if not any(e.verdict == FITS for e in found) and (batch is not None or (guess and guess.value >= 2)):
             helped = [e for e in found if e.verdict == DOES_NOT_FIT and e.fixes[0].kind != "batch"]
+            # The fix that got closest first: its combination needs the least from the batch.
+            helped.sort(key=lambda e: e.peak if e.peak is not None else float("inf"))
             for e in helped[:_COMBINATIONS]:
                 combo = self.batch_entry(e.fixes)
                 if combo is not None:
@@ -186,6 +191,13 @@ class _Measure:
 
     # --- the batch: probes, a line, a check -----------------------------------------------------------
 
+    def accumulated(self, base: tuple[Remedy, ...], remedy: Remedy) -> PlanEntry:
+        """The rewritten cell with its accumulation, run for two micro-batches."""
+        entry = self.entry((*base, remedy), bounds=Bounds(steps=None, backwards=2, seconds=self.left()))
+        if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
+            entry = replace(entry, verdict=FITS, note="")
+        return entry
+
     def batch_entry(self, base: tuple[Remedy, ...]) -> PlanEntry | None:
         """The largest micro-batch that fits with ``base`` in force, with accumulation keeping the
         effective batch where it can be written, verified by a trial of exactly that cell."""
@@ -198,10 +210,16 @@ class _Measure:
             return None
         fig = figures(self.run.report, ctx)
         trials: list[Trial] = []
+        freed = sum(_freed(r, self.run) for r in base)
+        if freed and self.run.limit is None:
+            return None  # freeing is tried by raising the limit by what it frees: no limit, no trial
+        room = self.run.limit + freed if freed else None
 
         def probe(b: int) -> Trial:
             remedy = fix.batch(ctx, fig, guess, b, 1)
-            bounds = Bounds(steps=1 if self.training and not self.keeps else None, seconds=self.left())
+            bounds = Bounds(
+                steps=1 if self.training and not self.keeps else None, seconds=self.left(), limit=room
+            )
             self.session.progress(
                 f"  trial {self.trials + 1}: {' + '.join(r.title for r in base)}"
                 f"{' + ' if base else ''}{guess.name}={b} (probe) …"
@@ -225,13 +243,16 @@ class _Measure:
         best = max((t.batch for t in trials if t.fits), default=None)
         if best is None:
             last = trials[-1] if trials else None
+            if last is None and base:
+                return None  # a combination the budget left no time to try: nothing to offer for it
+            smallest = last.batch if last is not None else max(1, b)
             return PlanEntry(
-                (*base, fix.batch(ctx, fig, guess, max(1, b), 1)),
+                (*base, fix.batch(ctx, fig, guess, smallest, 1)),
                 DOES_NOT_FIT if last is not None else NOT_MEASURED,
                 peak=last.peak_reserved if last else None,
                 budget=self.budget,
                 method=f"{len(trials)} probes",
-                note=f"not even {guess.name}={b} fits" if last is not None else "",
+                note=f"not even {guess.name}={smallest} fits" if last is not None else "",
             )
         new, acc = split_batch(guess.value, best, self.training)
         if acc > 1:
@@ -249,9 +270,13 @@ class _Measure:
             fitted = min(
                 (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
             )
-            entry = self.entry((*base, remedy), bounds=Bounds(steps=None, backwards=2, seconds=self.left()))
-            if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
-                entry = replace(entry, verdict=FITS, note="")
+            entry = self.accumulated(base, remedy)
+            while entry.verdict == DOES_NOT_FIT and new > 1 and self.left() > 0:
+                # The gradients kept between micro-batches took more room than the probes left: the
+                # next smaller micro-batch, the effective batch kept.
+                new, acc = split_batch(guess.value, new - 1, True)
+                remedy = fix.batch(ctx, fig, guess, new, acc)
+                entry = self.accumulated(base, remedy)
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
             return replace(entry, method=f"{how}; the rewritten cell ran 2 micro-batches")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new

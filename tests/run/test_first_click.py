@@ -30,7 +30,7 @@ def first_click(limit_mib: float, cell: str, shell, run_cell):
     failed = oommagic.history()[-1]
     assert failed.outcome == "oom", failed.headline()
     widget = ReportWidget(failed, session_for(shell))
-    assert widget.fixes, [f.title for f in failed.findings]
+    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + [failed.context.leftovers]
     first = widget.fixes[0]
     return failed, first, widget.click(first.kind)
 
@@ -210,3 +210,30 @@ def test_the_first_dimension_of_factory_calls_is_read_in_every_spelling():
         len(shape_literals("a = torch.randn(8, 3)\nb = torch.randint(0, 2, (8,))\nc = torch.ones(3, 8)", 8))
         == 2
     )
+
+
+def test_a_leftover_and_a_batch_too_large_get_both_fixes_in_one_click(shell, run_cell):
+    # Made under the magic, so the CPU tracker counts them (as a GPU would).
+    run_cell(
+        "%%gpumem --quiet\ntorch.manual_seed(0)\n"
+        "encoder = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 256))\n"
+        "rows = torch.randn(256, 32, 256)"
+    )
+
+    def growth(batch: int) -> int:
+        run_cell("%%gpumem --quiet -o probe\n" + EVAL_LOOP.replace("64", str(batch)))
+        probe = shell.user_ns["probe"]
+        return probe.peak_allocated - probe.before_allocated
+
+    one, full = growth(1), growth(64)
+    shell.run_cell("del hidden, sums")  # the probes' last outputs: the limit counts from without them
+    # An earlier cell's table, unused here, half of what batch 64 needs; beside it the card leaves less
+    # than batch 1 needs: no batch alone fits, freeing the table alone leaves batch 64 short, both fit.
+    run_cell(f"%%gpumem --quiet\ntable = torch.empty({full // 2}, dtype=torch.uint8)")
+    limit = (LEDGER.allocated + 0.9 * one) / 2**20
+    failed, fix, fitted = first_click(limit, EVAL_LOOP, shell, run_cell)
+    kinds = [f.kind for f in ReportWidget(failed, session_for(shell)).fixes]
+    assert fix.kind == "free_leftovers+batch", kinds
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "table" not in shell.user_ns
