@@ -26,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cell_parts
 import report
 
 STEPS = 10_000
@@ -50,7 +51,9 @@ def small_op_loop(steps: int, completed: bool) -> dict:
 
 
 def without_free_completed(snapshot: dict) -> dict:
-    traces = [[e for e in trace if e.get("action") != "free_completed"] for trace in snapshot["device_traces"]]
+    traces = [
+        [e for e in trace if e.get("action") != "free_completed"] for trace in snapshot["device_traces"]
+    ]
     return {**snapshot, "device_traces": traces}
 
 
@@ -174,62 +177,32 @@ def stand_in_cuda(snapshot: dict) -> Iterator[None]:
         yield
 
 
-@contextlib.contextmanager
-def timed_parts(into: dict[str, list[float]]) -> Iterator[None]:
-    """Time the recorder's parts per cell: the exit (with the snapshot), the replay (``recording``), the
-    breakdown by category; what the publish to the sidebar takes."""
-    from unittest import mock
-
-    from oommagic import comm
-    from oommagic.run.capture.cuda import CudaRecorder
-
-    def timing(owner: Any, name: str, label: str) -> Any:
-        original = getattr(owner, name)
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                into.setdefault(label, []).append((time.perf_counter() - t0) * 1e3)
-
-        return mock.patch.object(owner, name, timed)
-
-    with (
-        timing(CudaRecorder, "__exit__", "recorder exit (snapshot stand-in)"),
-        timing(CudaRecorder, "recording", "replay (recording)"),
-        timing(CudaRecorder, "categories", "categories"),
-        timing(comm, "publish", "publish to the sidebar"),
-    ):
-        yield
-
-
 def cell_rows(snapshot: dict, rounds: int, profile: bool) -> tuple[list[list], float]:
     """Plain cells against ``%%gpumem --quiet`` cells on the stand-in device, alternated (ms, medians)."""
     from IPython.core.interactiveshell import InteractiveShell
+
+    import oommagic
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "oommagic")
     shell.run_cell("import torch")
     work = "_y = sum(range(100))\n"
-    parts: dict[str, list[float]] = {}
+    parts: list[dict[str, float]] = []
     plain, magic = [], []
     with stand_in_cuda(snapshot):
         for r in range(rounds + 2):
             t0 = time.perf_counter()
             shell.run_cell(work)
             p = time.perf_counter() - t0
-            collected: dict[str, list[float]] = {}
-            with timed_parts(collected):
+            timings: dict[str, float] = {}
+            with cell_parts.timed(timings):
                 t0 = time.perf_counter()
                 shell.run_cell("%%gpumem --quiet\n" + work)
                 m = time.perf_counter() - t0
-            if r < 2:
-                continue  # warm-up: first imports
-            plain.append(p * 1e3)
-            magic.append(m * 1e3)
-            for k, v in collected.items():
-                parts.setdefault(k, []).append(sum(v))
+            if r >= 2:  # the first two: imports
+                plain.append(p * 1e3)
+                magic.append(m * 1e3)
+                parts.append(timings)
         if profile:
             import cProfile
             import pstats
@@ -240,15 +213,11 @@ def cell_rows(snapshot: dict, rounds: int, profile: bool) -> tuple[list[list], f
                 shell.run_cell("%%gpumem --quiet\n" + work)
             prof.disable()
             pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
-    run = __import__("oommagic").history()[-1]
-    assert run.device == "cuda:0" and run.timeline.events == sum(
-        e.get("action") in ("alloc", "free_requested") for e in snapshot["device_traces"][0]
-    ), "the stand-in cell replayed the trace"
+    replayed = sum(e.get("action") in ("alloc", "free_requested") for e in snapshot["device_traces"][0])
+    run = oommagic.history()[-1]
+    assert run.device == "cuda:0" and run.timeline.events == replayed, "the stand-in cell replayed the trace"
     fixed = statistics.median(magic) - statistics.median(plain)
-    rows = [[k, f"{statistics.median(v):.2f}"] for k, v in parts.items()]
-    rest = fixed - sum(statistics.median(v) for v in parts.values())
-    rows += [["the rest of the magic", f"{rest:.2f}"], ["fixed cost per cell (magic − plain)", f"{fixed:.2f}"]]
-    return rows, fixed
+    return cell_parts.rows(parts, fixed), fixed
 
 
 def main() -> int:
@@ -277,7 +246,7 @@ def main() -> int:
         + report.table(["replay", "entries", "ms", "× faster"], replay)
         + "\n\n`%%gpumem --quiet` cells against plain cells on a stand-in CUDA device (torch.cuda patched, "
         "its snapshot the trace above without free_completed, handed back at once), per part:\n\n"
-        + report.table(["part", "ms per cell"], cells)
+        + report.table(cell_parts.HEADERS, cells)
     )
     import torch
 
