@@ -233,6 +233,18 @@ def test_an_older_torch_records_everything():
     assert calls == [("all", "alloc", "python", CUDA_TRACE_ENTRIES)]
 
 
+def test_a_torch_that_names_actions_otherwise_records_everything():
+    calls = []
+
+    def record(enabled="all", context="all", stacks="all", max_entries=0, skip_actions=None):
+        if skip_actions:
+            raise RuntimeError(f"unknown action {skip_actions[0]}")
+        calls.append(context)
+
+    assert record_history(fake_torch(record), stacks=False) == ()
+    assert calls == [None]
+
+
 # --- the snapshot for PyTorch's viewer ----------------------------------------------------------------
 
 

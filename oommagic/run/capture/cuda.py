@@ -279,7 +279,9 @@ def record_history(torch: Any, stacks: bool) -> tuple[str, ...]:
     }
     try:
         torch.cuda.memory._record_memory_history(**settings, skip_actions=list(SKIPPED_ACTIONS))
-    except TypeError:  # a torch from before skip_actions
+    except (TypeError, ValueError, RuntimeError):
+        # A torch from before skip_actions, or one that names the actions otherwise: record them all (an
+        # error of its own comes again from this call).
         torch.cuda.memory._record_memory_history(**settings)
         return ()
     return SKIPPED_ACTIONS
