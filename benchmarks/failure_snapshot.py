@@ -1,7 +1,7 @@
 """What the report's new parts cost per cell: the allocator snapshot taken at an out-of-memory error (goal
 ≤ 50 ms with the default settings) and the fixed cost of a ``%%gpumem`` cell at 20,000 allocation events
 (goal ≤ 30 ms over the plain cell: the snapshot, the timeline replay, the breakdown by category at the
-peak), each with the default capture and with ``--stacks``.
+peak), each with the default capture and with ``--stacks``, split into its parts (``cell_parts``).
 
     python benchmarks/failure_snapshot.py            # on a CUDA machine
     python benchmarks/failure_snapshot.py --smoke    # on CPU: checks the logic, measures nothing
@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cell_parts
 import report
 import torch
 
@@ -61,12 +62,14 @@ def main() -> int:
     work = WORK.format(n=n)
     limit = "1GiB" if cuda else "8MiB"
     huge = "_huge = torch.empty(2 * 1024**3, dtype=torch.uint8, device=_dev)\n"
-    rows, summary = [], {}
+    rows, summary, breakdowns = [], {}, []
     for variant in ("", "--stacks"):
-        plain, fitted, failed, snap_ms, cat_at = [], [], [], [], []
+        plain, fitted, failed, snap_ms, cat_at, parts = [], [], [], [], [], []
         for r in range(args.rounds + 1):
             p = timed_cell(shell, work)
-            f = timed_cell(shell, f"%%gpumem --quiet {variant}\n{work}")
+            timings: dict[str, float] = {}
+            with cell_parts.timed(timings):
+                f = timed_cell(shell, f"%%gpumem --quiet {variant}\n{work}")
             run_ok = oommagic.history()[-1]
             o = timed_cell(
                 shell, f"%%gpumem --quiet --no-raise --plan-budget 0 --limit {limit} {variant}\n{work}{huge}"
@@ -77,6 +80,7 @@ def main() -> int:
             plain.append(p)
             fitted.append(f)
             failed.append(o)
+            parts.append(timings)
             if run_oom.snapshot_ms is not None:
                 snap_ms.append(run_oom.snapshot_ms)
             cat_at.append(
@@ -85,6 +89,10 @@ def main() -> int:
         fixed = (statistics.median(fitted) - statistics.median(plain)) * 1e3
         snap = statistics.median(snap_ms) if snap_ms else None
         name = variant or "default"
+        if cuda:
+            table = report.table(cell_parts.HEADERS, cell_parts.rows(parts, fixed))
+            breakdowns.append(f"Fixed cost of the `%%gpumem --quiet {variant}` cell by part:\n\n{table}")
+            print(breakdowns[-1], flush=True)
         summary[name] = (fixed, snap)
         rows.append(
             [
@@ -131,7 +139,9 @@ def main() -> int:
         f"A cell of {n:,d} tiny ops ({2 * n:,d} allocator events) run plain and under `%%gpumem`; the same "
         "cell "
         f"then allocating 2 GiB under `--limit {limit}` for the snapshot at the failure. Medians of "
-        f"{args.rounds} rounds after a warm-up.\n\n" + report.table(headers, rows)
+        f"{args.rounds} rounds after a warm-up.\n\n"
+        + report.table(headers, rows)
+        + "".join(f"\n\n{b}" for b in breakdowns)
     )
     report.write_markdown(
         "failure_snapshot", "What the report costs per cell", report.environment(device), body

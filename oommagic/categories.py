@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 
 # (key, label): the order of the stacked bar and of every table.
 CATEGORIES: tuple[tuple[str, str], ...] = (
@@ -242,8 +243,7 @@ def live_at(start: Mapping[int, Block], events: Sequence[Event], index: int) -> 
     """The blocks alive just after event ``index`` (-1: at the start), each with the clock it died at
     (the next event on its key after ``index``; None if it outlived the events)."""
     live = {k: (b.born, b.nbytes, b.op, b.line) for k, b in start.items()}
-    for i in range(index + 1):
-        clock, key, nbytes, op, line = events[i]
+    for clock, key, nbytes, op, line in islice(events, index + 1):
         if nbytes > 0:
             old = live.get(key)
             # An event on a live key is a storage that grew in place (resize_): it keeps its birth.
@@ -252,8 +252,7 @@ def live_at(start: Mapping[int, Block], events: Sequence[Event], index: int) -> 
             live.pop(key, None)
     died: dict[int, float] = {}
     pending = len(live)
-    for i in range(index + 1, len(events)):
-        clock, key = events[i][0], events[i][1]
+    for clock, key, *_ in islice(events, index + 1, None) if pending else ():
         if key in live and key not in died:
             died[key] = clock
             pending -= 1

@@ -14,7 +14,9 @@ Protocol version 1 (the frontend end is ``labextension/src/protocol.ts``):
   action cannot be done, ``{"version": 1, "type": "error", "run": <id>, "message": "..."}``.
 
 Uses the ``comm`` package, which ipykernel wires to the kernel; outside a kernel (terminal IPython, a
-script) ``comm.create_comm`` gives a comm that sends nothing, and ipykernel is never imported here.
+script) ``comm.create_comm`` gives a comm that sends nothing, so ``publish`` builds no message, and
+ipykernel is never imported here. Each run's message body is built once: a frontend without the
+``oommagic`` target closes every comm, and each publish then opens a new one with every run.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ _comm: Any = None
 _runs: Sequence[CellRun] = ()
 # What runs a sidebar action: the session registers it (this module knows no session).
 _actions: Any = None
+# run id -> (the run, its CellRun.to_json()): a run is frozen, its body the same at every send.
+_bodies: dict[str, tuple[CellRun, dict[str, Any]]] = {}
 
 
 def serve(actions: Any) -> None:
@@ -46,12 +50,19 @@ def serve(actions: Any) -> None:
 
 def hello(runs: Sequence[CellRun]) -> dict[str, Any]:
     """The hello message: every ``%%gpumem`` run of this kernel so far, oldest first."""
-    return {"version": PROTOCOL_VERSION, "type": "hello", "runs": [run.to_json() for run in runs]}
+    return {"version": PROTOCOL_VERSION, "type": "hello", "runs": [_body(run) for run in runs]}
 
 
 def run_message(run: CellRun) -> dict[str, Any]:
     """The message that announces one run."""
-    return {"version": PROTOCOL_VERSION, "type": "run", "run": run.to_json()}
+    return {"version": PROTOCOL_VERSION, "type": "run", "run": _body(run)}
+
+
+def _body(run: CellRun) -> dict[str, Any]:
+    kept = _bodies.get(run.id)
+    if kept is None or kept[0] is not run:
+        kept = _bodies[run.id] = (run, run.to_json())
+    return kept[1]
 
 
 def publish(run: CellRun, runs: Sequence[CellRun]) -> None:
@@ -63,10 +74,20 @@ def publish(run: CellRun, runs: Sequence[CellRun]) -> None:
     """
     global _runs
     _runs = runs  # the live history list: a later sync reads it again
+    if not _in_kernel():
+        return
     try:
         _open().send(run_message(run))
     except Exception:
         log.warning("oommagic: could not send run %s to the sidebar", run.id, exc_info=True)
+
+
+def _in_kernel() -> bool:
+    """Whether a kernel wired the ``comm`` package: ipykernel replaces ``comm.create_comm``; the package's
+    own makes comms that send nothing."""
+    import comm
+
+    return comm.create_comm is not getattr(comm, "_create_comm", None)
 
 
 def _open() -> Any:

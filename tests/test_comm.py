@@ -167,6 +167,44 @@ def test_publish_outside_a_kernel_sends_nothing_and_imports_no_ipykernel() -> No
     assert done.stderr == ""
 
 
+def test_each_run_becomes_json_once_however_often_a_frontend_closes_the_comm(monkeypatch) -> None:
+    import comm as comm_package
+
+    from oommagic import cellrun, comm, timeline
+
+    sent, closers = [], []
+
+    class Frontend:
+        """A kernel's comm to a frontend without the ``oommagic`` target: each comm gets closed."""
+
+        def __init__(self, target_name: str, data: dict) -> None:
+            sent.append(data)
+
+        def on_msg(self, callback: Any) -> None:
+            pass
+
+        def on_close(self, callback: Any) -> None:
+            closers.append(callback)
+
+        def send(self, data: dict) -> None:
+            sent.append(data)
+
+    monkeypatch.setattr(comm_package, "create_comm", Frontend)
+    monkeypatch.setattr(comm, "_comm", None)
+    monkeypatch.setattr(comm, "_bodies", {})
+    built = []
+    to_json = cellrun.CellRun.to_json
+    monkeypatch.setattr(cellrun.CellRun, "to_json", lambda run: built.append(run.id) or to_json(run))
+    runs: list = []
+    for name in ("one", "two", "three"):
+        runs.append(cellrun.CellRun(source="x = 1", recording=timeline.Recording("cpu"), id=name))
+        comm.publish(runs[-1], runs)
+        closers[-1]({})
+    assert [m["type"] for m in sent] == ["hello", "run"] * 3
+    assert [r["id"] for r in sent[-2]["runs"]] == ["one", "two", "three"]
+    assert built == ["one", "two", "three"]
+
+
 FAILING = """%load_ext oommagic
 import torch
 """

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from oommagic.run.capture import cuda_timeline
 from oommagic.timeline import Timeline
 
@@ -21,6 +24,41 @@ def test_downsampling_keeps_peak_and_dips():
     assert small.peak_allocated == 10**9 and small.peak_reserved == 10**9 + 5
     assert min(small.allocated) == min(alloc)
     assert small.t == tuple(sorted(small.t)) and small.t[-1] == tl.t[-1]
+
+
+def reference_downsample(tl: Timeline, points: int) -> list[int]:
+    """The samples a downsample keeps, picked one sample at a time."""
+    n = len(tl.t)
+    if n <= points:
+        return list(range(n))
+    per = max(1, (3 * n) // points)
+    keep = []
+    for start in range(0, n, per):
+        idx = range(start, min(start + per, n))
+        picked = {start, max(idx, key=tl.allocated.__getitem__), min(idx, key=tl.allocated.__getitem__)}
+        picked.add(max(idx, key=tl.reserved.__getitem__))
+        keep.extend(sorted(picked))
+    return keep if keep[-1] == n - 1 else [*keep, n - 1]
+
+
+@given(
+    levels=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=300),
+    points=st.integers(1, 60),
+)
+def test_downsampling_keeps_the_first_extremes_of_each_bucket(levels, points):
+    tl = Timeline(
+        t=tuple(i / 10 for i in range(len(levels))),
+        allocated=tuple(a for a, _ in levels),
+        reserved=tuple(a + r for a, r in levels),
+        oom_at=0.5,
+        events=len(levels),
+    )
+    keep = reference_downsample(tl, points)
+    small = tl.downsample(points)
+    assert small.t == tuple(tl.t[i] for i in keep)
+    assert small.allocated == tuple(tl.allocated[i] for i in keep)
+    assert small.reserved == tuple(tl.reserved[i] for i in keep)
+    assert (small.oom_at, small.events) == (tl.oom_at, tl.events)
 
 
 def test_step_peaks_split_at_optimizer_steps():

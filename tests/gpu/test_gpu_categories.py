@@ -142,6 +142,11 @@ def test_snapshot_at_the_failure_opens_in_memory_viz(gpt2, cell, tmp_path):
     )
     assert allocated == sum(n for k, n in run.categories.parts if k not in ("cache", "outside", "others"))
     assert "Active Memory Timeline" in _memory_viz.trace_plot(snap)
+    # The history leaves free_completed out (a third of the trace); the file has each back after its
+    # free_requested, where the viewer ends a block.
+    trace = snap["device_traces"][0]
+    frees = [i for i, e in enumerate(trace) if e["action"] == "free_requested"]
+    assert frees and all(trace[i + 1]["action"] == "free_completed" for i in frees if i + 1 < len(trace))
     assert "Allocator State History" in _memory_viz.segment_plot(snap)
     # No stacks by default: the snapshot at the failure stays cheap (C++ stacks cost ~1.4 s, DESIGN.md).
     assert not any(e.get("frames") for e in snap["device_traces"][0][:1000])

@@ -177,7 +177,7 @@ def test_the_cuda_trace_replay_breaks_down_the_peak_its_timeline_shows():
     """The CUDA path's arithmetic on an allocator snapshot made by hand (no GPU here): the blocks alive at
     the timeline's peak, a block from before the cell freed in it, a gradient seen at a step."""
     from oommagic.categories import Observation, breakdown, live_at
-    from oommagic.run.capture.cuda import TraceEvents, cuda_timeline, snapshot_blocks, start_blocks
+    from oommagic.run.capture.trace import TraceEvents, cuda_timeline, snapshot_blocks, start_blocks
 
     MiB = 2**20
     old, grad, act, late = 0x1000000, 0x2000000, 0x3000000, 0x4000000

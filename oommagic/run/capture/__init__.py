@@ -11,8 +11,9 @@ from typing import Any
 
 from ...options import OptionError
 from .cpu import LEDGER, CpuRecorder, host_memory
-from .cuda import CUDA_TRACE_ENTRIES, CudaRecorder, cuda_timeline
+from .cuda import CudaRecorder
 from .record import Recording, StepMarks
+from .trace import CUDA_TRACE_ENTRIES, cuda_timeline
 
 __all__ = [
     "CUDA_TRACE_ENTRIES",

@@ -7,6 +7,7 @@ import os
 import threading
 import time
 import weakref
+from dataclasses import replace
 from typing import Any
 
 from ...categories import Block, Breakdown, breakdown, live_at, peak_index
@@ -282,8 +283,9 @@ class CpuRecorder:
             return breakdown(self._live_now(), seen + self._steps.first, "end", budget=budget)
         start = {k: Block(k, n) for k, n in self._start_live.items()}
         index = peak_index(self._before, self._events, self._start_live)
-        blocks = live_at(start, self._events_named(), index)
-        return breakdown(blocks.values(), seen + self._steps.around(index, seen), "peak", budget=budget)
+        # The operators named for the blocks alive at the peak only, not for every event of the cell.
+        blocks = [replace(b, op=op_name(b.op)) for b in live_at(start, self._events, index).values()]
+        return breakdown(blocks, seen + self._steps.around(index, seen), "peak", budget=budget)
 
     def snapshot(self) -> dict:
         """A snapshot in the format of ``torch.cuda.memory._snapshot()`` (one segment per live storage, the
@@ -342,9 +344,6 @@ class CpuRecorder:
             Block(k, n, op=op_name(made.get(k, (None, None))[0]), line=made.get(k, (None, None))[1])
             for k, n in list(LEDGER.live.items())
         ]
-
-    def _events_named(self) -> list:
-        return [(c, k, n, op_name(op), line) for c, k, n, op, line in self._events]
 
     def recording(self) -> Recording:
         start = self._start

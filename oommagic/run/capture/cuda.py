@@ -6,15 +6,18 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ...categories import Block, Breakdown, breakdown, live_at, peak_index
+from ...categories import Breakdown, breakdown, live_at
 from ...timeline import Timeline
 from .nvml import BusySampler, device_memory, handle_for
 from .record import Recording, StepMarks
 from .roles import StepRoles, cuda_key, now_us, observe
+from .trace import CUDA_TRACE_ENTRIES, TraceEvents, cuda_timeline, snapshot_blocks, start_blocks
 
-# 500k trace entries is a few hundred MB at most and covers minutes of training; a longer cell loses its
-# earliest events (the peak figures come from memory_stats and stay exact).
-CUDA_TRACE_ENTRIES = 500_000
+# The replay reads alloc and free_requested (the moments memory_allocated counts) and the segments; a
+# free_completed follows each free_requested at once unless another stream still uses the block. Left
+# out of the history it takes a third of the trace, and of the snapshot's time (19 ms for the 30,003
+# entries of 10,000 small ops on an H100), away. ``snapshot_file`` puts them back for PyTorch's viewer.
+SKIPPED_ACTIONS = ("free_completed",)
 
 
 _oom_events: list[tuple[int, int, int, int]] = []
@@ -72,6 +75,7 @@ class CudaRecorder:
         self._start = 0.0
         self._before = (0, 0)
         self._snapshot: dict | None = None
+        self._skipped: tuple[str, ...] = ()
         self._end = 0.0
         self._after = (0, 0)
         self._peak = (0, 0)
@@ -97,13 +101,7 @@ class CudaRecorder:
                 self._old_fraction = getter(self.index) if getter else 1.0
                 torch.cuda.set_per_process_memory_fraction(self.limit / self.capacity, self.index)
             if self.timeline and not torch._C._cuda_isHistoryEnabled():
-                # Python stacks only with --stacks: C++ stacks cost ~1.4 s per snapshot (DESIGN.md).
-                torch.cuda.memory._record_memory_history(
-                    enabled="all",
-                    context="alloc" if self.stacks else None,
-                    stacks="python",
-                    max_entries=CUDA_TRACE_ENTRIES,
-                )
+                self._skipped = record_history(torch, self.stacks)
                 self._owns_history = True
             self._marks.install(self._steps)
         except BaseException:
@@ -127,10 +125,16 @@ class CudaRecorder:
             )
             # Turning recording off clears the history: take the snapshot first.
             if self._snapshot is None:
-                self._snapshot = torch.cuda.memory._snapshot()
+                self._snapshot = self._take_snapshot()
             self._end = time.time()
         finally:
             self._restore()
+
+    def _take_snapshot(self) -> dict:
+        snapshot = self._torch.cuda.memory._snapshot()
+        if self._skipped:
+            snapshot.setdefault("oommagic", {})["skipped_actions"] = list(self._skipped)
+        return snapshot
 
     def _restore(self) -> None:
         torch = self._torch
@@ -154,7 +158,7 @@ class CudaRecorder:
         blocks and the cache, the roles from the namespace and the failed frames (``spaces``), NVML for the
         memory outside PyTorch and the other processes. Sums to NVML's used memory of the device."""
         t0 = time.perf_counter()
-        self._snapshot = self._torch.cuda.memory._snapshot()
+        self._snapshot = self._take_snapshot()
         self.snapshot_ms = (time.perf_counter() - t0) * 1e3
         blocks, reserved = snapshot_blocks(self._snapshot, self.index)
         self.at_failure = self._breakdown(
@@ -179,20 +183,11 @@ class CudaRecorder:
         if not self.timeline:
             self._snapshot = None  # segments only: nothing a viewer's timeline could show
             return self._breakdown(blocks, seen + self._steps.first, reserved, "end")
-        if self._events:
-            start, events, index = start_blocks(self._events, blocks), self._events, self._events.peak
-        else:
-            start, events = trace_events(
-                snap, self.index, self._start * 1e6 if not self._owned_history else 0.0, blocks
-            )
-            before = sum(b.nbytes for b in start.values())
-            index = peak_index(before, events, {k: b.nbytes for k, b in start.items()})
-        at_peak = live_at(start, events, index)
+        events = self._events
+        at_peak = live_at(start_blocks(events, blocks), events, events.peak)
         tl = timeline
-        peak_reserved = (
-            tl.reserved[max(range(len(tl.allocated)), key=tl.allocated.__getitem__)] if tl.t else reserved
-        )
-        clock = events[index][0] if index >= 0 else self._start * 1e6
+        peak_reserved = tl.reserved[tl.allocated.index(tl.peak_allocated)] if tl.t else reserved
+        clock = events[events.peak][0] if events.peak >= 0 else self._start * 1e6
         observed = seen + self._steps.around(clock, seen)
         return self._breakdown(at_peak.values(), observed, peak_reserved, "peak", end_reserved=reserved)
 
@@ -247,6 +242,8 @@ class CudaRecorder:
                 before=self._before,
                 steps=steps,
                 events=self._events,
+                # A history this recorder turned on without --stacks has no frames to read.
+                lines=self.stacks or not self._owned_history,
             )
         else:
             timeline = Timeline(
@@ -269,151 +266,22 @@ class CudaRecorder:
         )
 
 
-_ALLOC_DELTA = {"alloc": 1, "free_requested": -1}
-_RESERVE_DELTA = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-
-
-def cuda_timeline(
-    snapshot: dict,
-    index: int,
-    start_us: float,
-    before: tuple[int, int],
-    steps: list[float],
-    origin_us: float | None = None,
-    events: TraceEvents | None = None,
-) -> Timeline:
-    """Replay the allocator trace of device ``index`` from ``start_us`` on, starting from ``before``
-    (allocated, reserved); times are seconds from ``origin_us`` (default ``start_us``).
-    ``memory_allocated`` counts a block when it is handed out and uncounts it at ``free_requested``, so
-    the replay's maximum equals ``max_memory_allocated``. ``events``, when given, receives every alloc and
-    free as a ``categories`` event (µs, address, bytes or -bytes freed, None, Python line) and the index
-    of the one after which allocated memory peaked, in the same pass."""
-    origin = start_us if origin_us is None else origin_us
-    traces = snapshot.get("device_traces") or []
-    entries = traces[index] if index < len(traces) else []
-    allocated, reserved = before
-    gather = events is not None
-    append = events.append if events is not None else None
-    top, peak = allocated, -1
-    t: list[float] = [0.0]
-    a: list[int] = [allocated]
-    r: list[int] = [reserved]
-    oom_at = None
-    for e in entries:
-        when = e.get("time_us", 0)
-        if when < start_us:
-            continue
-        action = e.get("action")
-        # The allocator counts whole blocks, multiples of 512 bytes; round a trace size up to one.
-        size = -(-e.get("size", 0) // 512) * 512
-        if action in _ALLOC_DELTA:
-            allocated += _ALLOC_DELTA[action] * size
-            if gather:
-                if action == "alloc":
-                    frames = e.get("frames")
-                    append((when, e["addr"], size, None, user_line(frames) if frames else None))
-                    if allocated > top:
-                        top, peak = allocated, len(events) - 1
-                else:
-                    append((when, e["addr"], -size, None, None))
-        elif action in _RESERVE_DELTA:
-            reserved += _RESERVE_DELTA[action] * size
-        elif action == "oom":
-            oom_at = (when - origin) / 1e6
-        else:
-            continue
-        t.append(max((when - origin) / 1e6, 0.0))
-        a.append(allocated)
-        r.append(reserved)
-    if events is not None:
-        events.top, events.peak = top, peak
-    truncated = (
-        len(entries) >= CUDA_TRACE_ENTRIES and bool(entries) and entries[0].get("time_us", 0) > start_us
-    )
-    return Timeline(
-        t=tuple(t),
-        allocated=tuple(a),
-        reserved=tuple(r),
-        steps=tuple(steps),
-        oom_at=oom_at,
-        truncated=truncated,
-        events=len(t) - 1,
-    )
-
-
-class TraceEvents(list):
-    """``categories`` events replayed from the allocator trace; ``peak`` the index of the event after
-    which allocated memory was highest (-1: at the start), ``top`` that level."""
-
-    peak: int = -1
-    top: int = 0
-
-
-def snapshot_blocks(snapshot: dict, index: int) -> tuple[list[Block], int]:
-    """The live blocks of device ``index`` in an allocator snapshot (with the Python line that made each
-    where frames were recorded) and the bytes its segments reserve."""
-    blocks, reserved = [], 0
-    for seg in snapshot.get("segments", ()):
-        if seg.get("device", index) != index:
-            continue
-        reserved += seg.get("total_size", 0)
-        for b in seg.get("blocks", ()):
-            if b.get("state") == "active_allocated":
-                blocks.append(Block(b["address"], b["size"], line=user_line(b.get("frames") or ())))
-    return blocks, reserved
-
-
-def trace_events(
-    snapshot: dict, index: int, start_us: float, end_blocks: list[Block]
-) -> tuple[dict[int, Block], list]:
-    """The allocator trace from ``start_us`` on as events for ``categories.live_at`` (clock: µs), and the
-    blocks alive at its start: those freed in the trace without being allocated in it, and those alive at
-    the end that the trace never allocated."""
-    traces = snapshot.get("device_traces") or []
-    entries = [e for e in (traces[index] if index < len(traces) else []) if e.get("time_us", 0) >= start_us]
-    events, born = [], set()
-    start: dict[int, Block] = {}
-    for e in entries:
-        action, addr = e.get("action"), e.get("addr", 0)
-        size = -(-e.get("size", 0) // 512) * 512
-        if action == "alloc":
-            born.add(addr)
-            events.append((e.get("time_us", 0), addr, size, None, user_line(e.get("frames") or ())))
-        elif action == "free_requested":
-            if addr not in born:
-                start.setdefault(addr, Block(addr, size))
-            events.append((e.get("time_us", 0), addr, -size, None, None))
-    for b in end_blocks:
-        if b.key not in born:
-            start.setdefault(b.key, Block(b.key, b.nbytes, line=b.line))
-    return start, events
-
-
-def start_blocks(events: list, end_blocks: list[Block]) -> dict[int, Block]:
-    """The blocks alive before the first of ``events``: freed without being allocated in them (a free
-    carries its size, negated), or alive at the end without an alloc among them."""
-    born: set[int] = set()
-    start: dict[int, Block] = {}
-    for _, addr, size, _op, _line in events:
-        if size > 0:
-            born.add(addr)
-        elif addr not in born and addr not in start:
-            start[addr] = Block(addr, -size)
-    for b in end_blocks:
-        if b.key not in born:
-            start.setdefault(b.key, b)
-    return start
-
-
-def user_line(frames: Any) -> str | None:
-    """'cell:5 y = model(x)' from an allocator record's Python frames: the innermost outside torch."""
-    import linecache
-    import os
-
-    for f in frames:
-        filename = f.get("filename", "")
-        if filename and "/torch/" not in filename and not filename.startswith("??"):
-            cell = filename.startswith("<ipython-input") or "/ipykernel_" in filename
-            code = linecache.getline(filename, f.get("line", 0)).strip() or f"in {f.get('name', '')}"
-            return f"{'cell' if cell else os.path.basename(filename)}:{f.get('line', 0)} {code}"
-    return None
+def record_history(torch: Any, stacks: bool) -> tuple[str, ...]:
+    """Turn the CUDA allocator's history on (``context=None``: no stack capture; Python stacks of each
+    alloc with ``stacks``), without the actions the replay never reads where this torch can leave them
+    out (``skip_actions``); returns the actions left out."""
+    # Python stacks only with --stacks: C++ stacks cost ~1.4 s per snapshot (DESIGN.md).
+    settings = {
+        "enabled": "all",
+        "context": "alloc" if stacks else None,
+        "stacks": "python",
+        "max_entries": CUDA_TRACE_ENTRIES,
+    }
+    try:
+        torch.cuda.memory._record_memory_history(**settings, skip_actions=list(SKIPPED_ACTIONS))
+    except (TypeError, ValueError, RuntimeError):
+        # A torch from before skip_actions, or one that names the actions otherwise: record them all (an
+        # error of its own comes again from this call).
+        torch.cuda.memory._record_memory_history(**settings)
+        return ()
+    return SKIPPED_ACTIONS

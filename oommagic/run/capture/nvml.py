@@ -9,6 +9,7 @@ matched by the UUID torch reports.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 from dataclasses import dataclass
@@ -30,8 +31,10 @@ class DeviceMemory:
     others: int
 
 
+@functools.cache
 def handle_for(index: int) -> Any:
-    """The NVML handle of ``cuda:index`` (None without NVML). Initialises NVML, not CUDA."""
+    """The NVML handle of ``cuda:index`` (None without NVML), looked up once per process: NVML stays
+    initialised and the devices a process sees do not change. Initialises NVML, not CUDA."""
     try:
         import pynvml
         import torch
