@@ -172,7 +172,8 @@ def _lines(entries: list[dict], at: Any, allocs: Any) -> list[str | None]:
 
 def snapshot_blocks(snapshot: dict, index: int) -> tuple[list[Block], int]:
     """The live blocks of device ``index`` in an allocator snapshot (with the Python line that made each
-    where frames were recorded) and the bytes its segments reserve."""
+    where frames were recorded), each the size its tensor requested rounded up to 512 bytes, and the bytes
+    its segments reserve."""
     blocks, reserved = [], 0
     for seg in snapshot.get("segments", ()):
         if seg.get("device", index) != index:
@@ -180,7 +181,11 @@ def snapshot_blocks(snapshot: dict, index: int) -> tuple[list[Block], int]:
         reserved += seg.get("total_size", 0)
         for b in seg.get("blocks", ()):
             if b.get("state") == "active_allocated":
-                blocks.append(Block(b["address"], b["size"], line=user_line(b.get("frames") or ())))
+                # What the tensor asked for, in the 512-byte units the trace counts: a large block keeps
+                # up to 1 MiB it did not split off, which is the allocator's (the cache), not the tensor's.
+                asked = b.get("requested_size") or b["size"]
+                size = min(-(-asked // 512) * 512, b["size"])
+                blocks.append(Block(b["address"], size, line=user_line(b.get("frames") or ())))
     return blocks, reserved
 
 
