@@ -94,7 +94,8 @@ def test_training_oom_categories_sum_to_nvml_and_match_a_hand_count(gpt2, cell, 
     cats, params = run.categories, param_bytes(gpt2.user_ns["model"])
     check_sum(cats)
     # The parameters category holds the module's buffers too (GPT-2's attention masks).
-    # The allocator's blocks: each tensor rounded up to its block size (512 B multiples, small ones more).
+    # Each tensor counts what it asked for, rounded up to 512 B (the tail a large block did not split off
+    # is the allocator's: the cache).
     assert 0 <= cats["parameters"] - param_bytes(gpt2.user_ns["model"], buffers=True) <= 0.005 * params
     assert 0 <= cats["gradients"] - params <= 0.01 * params
     # exp_avg and exp_avg_sq per parameter; AdamW's `step` counters live on the CPU unless capturable.
@@ -102,8 +103,9 @@ def test_training_oom_categories_sum_to_nvml_and_match_a_hand_count(gpt2, cell, 
     # GPT-2 returns its key/value cache in training too (use_cache defaults on): those tensors are the
     # KV cache category, the rest of the step's tensors activations.
     assert cats["activations"] > 0
+    # The cache: reserved but unallocated, plus the blocks' unsplit tails (PyTorch counts those allocated).
     unused = run.report.reserved_unallocated
-    assert unused is None or abs(cats["cache"] - unused) <= rounding(unused)
+    assert unused is None or cats["cache"] >= unused - rounding(unused)
     assert run.snapshot_ms is not None
 
 
