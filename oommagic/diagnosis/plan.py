@@ -7,7 +7,7 @@ Pure records and ordering; ``run.plan`` measures the entries by bounded trials.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..sizes import format_bytes
 from .findings import Remedy
@@ -165,3 +165,15 @@ def with_time_ratios(entries: list[PlanEntry], reference: float | None) -> list[
         replace(e, time_ratio=round(e.seconds_per_step / ref, 2)) if e.seconds_per_step else e
         for e in entries
     ]
+
+
+def with_measured(findings: tuple, plan: FixPlan | None) -> tuple:
+    """``findings`` with each fix the plan measured alone replaced by the plan's size of it (the batch the
+    probes found, not the first guess): every view and the sidebar's Apply then offer what was measured."""
+    if plan is None or not plan.entries:
+        return findings
+    out = []
+    for f in findings:
+        remedies = tuple((e.fixes[0] if (e := plan.measured(r.kind)) is not None else r) for r in f.remedies)
+        out.append(replace(f, remedies=remedies) if remedies != f.remedies else f)
+    return tuple(out)

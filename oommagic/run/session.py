@@ -15,6 +15,7 @@ from typing import Any
 
 from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
+from ..diagnosis.plan import with_measured
 from .fixes import spec_of, spec_with
 from .runner import Attempt, Bounds, RunSpec, execute
 
@@ -60,7 +61,7 @@ class Session:
             # A trial would start every rank again, outside the recorded run: distributed cells get the
             # findings' fixes, not measured.
             plan = self._plan(run) if run.ranks is None else _unmeasured(run, "distributed")
-            run = replace(run, plan=plan)
+            run = replace(run, plan=plan, findings=with_measured(run.findings, plan))
         self._record(run, attempt)
         if run.outcome == "interrupted":
             raise KeyboardInterrupt
