@@ -96,6 +96,7 @@ def scan_namespace(
         leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
         models = models + _model_being_built(error, models, source, trains, checkpointing, grown)
         frames, scopes = failing_frames(error, namespace, source)
+        line = next((f.line for f in reversed(frames) if f.in_cell), None)
         return NamespaceScan(
             leftovers=leftovers,
             models=models,
@@ -105,7 +106,9 @@ def scan_namespace(
             prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
             helpers=training_helpers(source, namespace),
-            settings_batch=settings_batch(source, namespace) or expression_batch(source, namespace),
+            settings_batch=settings_batch(source, namespace)
+            or expression_batch(source, namespace)
+            or loader_batch(source, namespace, line),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
             grad_enabled=bool(torch.is_grad_enabled()),
@@ -481,6 +484,27 @@ def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
                 text = path[0] + "".join(f"[{p!r}]" for p in path[1:])
             return BatchGuess(text, value, "expression", path=path)
     return None
+
+
+def loader_batch(source: str, namespace: Mapping, line: int | None) -> BatchGuess | None:
+    """The batch of a ``DataLoader`` made in an earlier cell that the cell's loop iterates over (the one
+    around the failing line first): its ``batch_size``, read from its instance dict."""
+    for name in cell.iterated_names(source, line):
+        value = namespace.get(name)
+        if not _is_loader(value):
+            continue
+        attrs = instance_dict(value)
+        size = attrs.get("batch_size")
+        if type(size) is int and size >= 1 and attrs.get("batch_sampler") is not None:
+            return BatchGuess(f"{name}.batch_size", size, "loader", path=(name,))
+    return None
+
+
+def _is_loader(value: Any) -> bool:
+    return any(
+        c.__name__ == "DataLoader" and c.__module__.startswith("torch.utils.data")
+        for c in type(value).__mro__
+    )
 
 
 def training_helpers(source: str, namespace: Mapping, depth: int = 2) -> tuple[tuple[str, str], ...]:

@@ -304,6 +304,11 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
     else:
         new_source = None
         code = f"{guess.name} = {new}"
+        if guess.where == "loader":
+            loader = guess.path[0]
+            code = (
+                f"{loader} = DataLoader({loader}.dataset, batch_size={new}, ...)  # as it was made, smaller"
+            )
         if guess.accumulation is not None and acc > 1:
             code += f"\n{guess.accumulation[0]} = {guess.accumulation[1] * acc}"
     if new < guess.value and not (acc > 1 and keeps) and (fig.training or ctx.trains):
@@ -315,7 +320,7 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
         why,
         saving,
         code=code,
-        automatic=new_source is not None or guess.where in ("namespace", "option", "attribute"),
+        automatic=new_source is not None or guess.where in ("namespace", "option", "attribute", "loader"),
         params={
             "name": guess.name,
             "old": guess.value,

@@ -53,7 +53,8 @@ class BatchGuess:
     Trainer's ``_train_batch_size``, fixed when it was made), ``"expression"`` (the cell reads it from an
     object, ``cfg.batch_size`` or ``S["batch"]``: ``path`` is its chain, a rewrite writes the number in its
     place), ``"step"`` (a loop over slices with a literal step, ``range(0, n, 128)`` and ``x[i:i + 128]``) or
-    ``"shape"`` (the first dimension of the data a loop makes, ``torch.randn(64, 3, 224, 224)``).
+    ``"shape"`` (the first dimension of the data a loop makes, ``torch.randn(64, 3, 224, 224)``) or
+    ``"loader"`` (the ``batch_size`` of a DataLoader made earlier that the loop iterates: ``path`` names it).
     """
 
     name: str
@@ -394,6 +395,32 @@ def shape_literals(source: str, value: int) -> list[ast.expr]:
         return []
     sizes = [_leading_size(n) for n in ast.walk(tree) if isinstance(n, ast.Call)]
     return [n for n in sizes if n is not None and int_literal(n) == value]
+
+
+_WRAPPERS = ("enumerate", "tqdm", "iter", "zip", "trange", "islice")
+
+
+def iterated_names(source: str, line: int | None = None) -> tuple[str, ...]:
+    """The names the cell's ``for`` loops iterate over (``for x, y in loader``, through ``enumerate``,
+    ``tqdm``, ``zip``...): those of the loops around ``line`` first, innermost first, then the rest."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.AsyncFor))]
+    around = sorted(
+        (n for n in loops if line is not None and n.lineno <= line <= (n.end_lineno or n.lineno)),
+        key=lambda n: -n.lineno,
+    )
+    names: list[str] = []
+    for loop in [*around, *(n for n in loops if n not in around)]:
+        stack = [loop.iter]
+        while stack:
+            it = stack.pop(0)
+            if isinstance(it, ast.Name):
+                names.append(it.id)
+            elif isinstance(it, ast.Call) and dotted_name(it.func).rsplit(".", 1)[-1] in _WRAPPERS:
+                stack.extend(it.args)
+    return tuple(dict.fromkeys(names))
 
 
 def _is_count(value: object) -> bool:

@@ -63,6 +63,9 @@ def holding(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractConte
     kind, params = remedy.kind, remedy.params
     if kind == "batch" and params.get("where") in ("namespace", "option"):
         return _rebound(shell.user_ns, params["name"], params["new"])
+    if kind == "batch" and params.get("where") == "loader":
+        name = params["path"][0]
+        return _rebound(shell.user_ns, name, rebuilt_loader(shell.user_ns[name], params["new"]))
     if kind == "batch" and params.get("where") == "attribute":
         values = {params["name"]: params["new"]}
         if params.get("accumulation"):
@@ -86,6 +89,35 @@ def _rebound(ns: dict, name: str, value: Any) -> Iterator[None]:
     # The new value stays bound after the run: it is the batch in force until the fix is removed.
     ns[name] = value
     yield
+
+
+def rebuilt_loader(old: Any, batch_size: int) -> Any:
+    """A ``DataLoader`` like ``old`` (its dataset, order, collation, workers) with ``batch_size``: a
+    loader's batch cannot be changed once it is made."""
+    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+
+    d = vars(old)
+    kwargs: dict[str, Any] = {
+        "batch_size": batch_size,
+        "num_workers": d.get("num_workers", 0),
+        "collate_fn": d.get("collate_fn"),
+        "pin_memory": d.get("pin_memory", False),
+        "drop_last": d.get("drop_last", False),
+        "timeout": d.get("timeout", 0),
+        "worker_init_fn": d.get("worker_init_fn"),
+        "generator": d.get("generator"),
+        "persistent_workers": d.get("persistent_workers", False),
+    }
+    if kwargs["num_workers"] and d.get("prefetch_factor") is not None:
+        kwargs["prefetch_factor"] = d["prefetch_factor"]
+    dataset = d["dataset"]
+    if not isinstance(dataset, IterableDataset):
+        sampler = d.get("sampler")
+        if type(sampler) is RandomSampler:
+            kwargs["shuffle"] = True
+        elif type(sampler) is not SequentialSampler and sampler is not None:
+            kwargs["sampler"] = sampler
+    return type(old)(dataset, **kwargs)
 
 
 def set_attribute(ns: dict, path: str, value: Any) -> None:

@@ -237,3 +237,37 @@ def test_a_leftover_and_a_batch_too_large_get_both_fixes_in_one_click(shell, run
     assert fix.kind == "free_leftovers+batch", kinds
     assert fitted.outcome == "ok", fitted.headline()
     assert "table" not in shell.user_ns
+
+
+LOADER_SETUP = """%%gpumem --quiet
+torch.manual_seed(0)
+from torch.utils.data import DataLoader, TensorDataset
+clf = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.GELU(), torch.nn.Linear(2048, 10))
+clf_opt = torch.optim.SGD(clf.parameters(), lr=0.01)
+clf_ds = TensorDataset(torch.randn(512, 64, 256), torch.randint(0, 10, (512,)))
+train_loader = DataLoader(clf_ds, batch_size=128, shuffle=True, drop_last=True)
+"""
+LOADER_LOOP = """\
+for xb, yb in train_loader:
+    loss = torch.nn.functional.cross_entropy(clf(xb).mean(1), yb)
+    loss.backward()
+    clf_opt.step()
+    clf_opt.zero_grad()
+"""
+
+
+def test_a_loader_made_in_an_earlier_cell_is_remade_with_a_smaller_batch(shell, run_cell):
+    run_cell(LOADER_SETUP)
+    old = shell.user_ns["train_loader"]
+    failed, fix, fitted = first_click(60, LOADER_LOOP, shell, run_cell)
+    guess = failed.context.batch
+    assert (guess.name, guess.value, guess.where) == ("train_loader.batch_size", 128, "loader")
+    assert fix.kind == "batch" and "accumulate" in fix.title, fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    new = shell.user_ns["train_loader"]
+    remedy = fitted.applied[0]
+    assert new is not old and new.batch_size == remedy.params["new"] < 128
+    # The same data, order and collation, the effective batch kept by the loop's accumulation.
+    assert new.dataset is old.dataset and type(new.sampler) is type(old.sampler) and new.drop_last
+    assert new.batch_size * remedy.params["accumulate"] == 128
+    assert old.batch_size == 128, "the person's loader itself is left as it was"
