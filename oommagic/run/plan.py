@@ -120,7 +120,31 @@ class _Measure:
                     found.append(combo)
                 if combo is not None and combo.verdict == FITS:
                     break
+        if not any(e.verdict == FITS for e in found):
+            found += self.pairs(found)
         return found
+
+    def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
+        """Two fixes that each fell short, together (fewer beams and shorter outputs, autocast and
+        checkpointing): the closest first, until one fits or the budget ends."""
+        helped = sorted(
+            (
+                e
+                for e in found
+                if e.verdict == DOES_NOT_FIT and len(e.fixes) == 1 and e.fixes[0].kind != "batch"
+            ),
+            key=lambda e: e.peak if e.peak is not None else float("inf"),
+        )
+        out: list[PlanEntry] = []
+        for i, first in enumerate(helped[:_COMBINATIONS]):
+            for second in helped[i + 1 : _COMBINATIONS + 1]:
+                if self.left() <= 0 or first.fixes[0].kind == second.fixes[0].kind:
+                    continue
+                entry = self.entry((first.fixes[0], second.fixes[0]))
+                out.append(entry)
+                if entry.verdict == FITS:
+                    return out
+        return out
 
     # --- one trial ------------------------------------------------------------------------------------
 
