@@ -30,7 +30,9 @@ def first_click(limit_mib: float, cell: str, shell, run_cell):
     failed = oommagic.history()[-1]
     assert failed.outcome == "oom", failed.headline()
     widget = ReportWidget(failed, session_for(shell))
-    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + [failed.context.leftovers]
+    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + [
+        failed.plan and [e.line() for e in failed.plan.entries]
+    ]
     first = widget.fixes[0]
     return failed, first, widget.click(first.kind)
 
@@ -271,3 +273,36 @@ def test_a_loader_made_in_an_earlier_cell_is_remade_with_a_smaller_batch(shell, 
     assert new.dataset is old.dataset and type(new.sampler) is type(old.sampler) and new.drop_last
     assert new.batch_size * remedy.params["accumulate"] == 128
     assert old.batch_size == 128, "the person's loader itself is left as it was"
+
+
+GEN_SETUP = """%%gpumem --quiet
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+transformers.logging.set_verbosity_error()
+torch.manual_seed(0)
+config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=500, n_positions=256)
+gen_model = GPT2LMHeadModel(config).eval()
+prompts = torch.randint(1, 500, (32, 16))
+"""
+GENERATE = """\
+out = gen_model.generate(prompts, attention_mask=torch.ones_like(prompts), num_beams=4, max_new_tokens=64,
+                         min_new_tokens=64, do_sample=False, pad_token_id=0)
+"""
+
+
+def test_a_generation_where_no_single_fix_is_enough_gets_two_together(shell, run_cell):
+    pytest.importorskip("transformers")
+    run_cell(GEN_SETUP)
+    small = GENERATE.replace("num_beams=4", "num_beams=1").replace("prompts,", "prompts[:12],")
+    run_cell(
+        "%%gpumem --quiet -o probe\n"
+        + small.replace("torch.ones_like(prompts)", "torch.ones_like(prompts[:12])")
+    )
+    probe = shell.user_ns["probe"]
+    # Room for greedy search over 16 prompts: neither greedy search over 32 nor beams in chunks of 16 fit.
+    limit = (probe.before_allocated + 1.5 * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    failed, fix, fitted = first_click(limit, GENERATE, shell, run_cell)
+    singles = [e for e in failed.plan.entries if len(e.fixes) == 1]
+    assert singles and all(e.verdict != "fits" for e in singles), [e.line() for e in failed.plan.entries]
+    assert "+" in fix.kind and fix.verdict == "fits", fix.kind
+    assert fitted.outcome == "ok", fitted.headline()
