@@ -16,6 +16,7 @@ import torch
 import oommagic
 from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
+from oommagic.sizes import format_bytes
 
 MiB = 1024**2
 
@@ -368,6 +369,73 @@ def test_weights_quiet_when_they_are_a_small_share_of_the_budget():
     assert "m holds 200.00 MiB of float32 weights on the device: 78% of the 256.00 MiB limit" in (
         found["weights"].evidence
     )
+
+
+# --- 6. one request larger than the budget --------------------------------------------------------------
+
+
+@pytest.fixture
+def lm6(shell, run_cell):
+    """A GPT-2 of GPT-2's vocabulary (50,257) and two small layers, from a config (no download)."""
+    pytest.importorskip("transformers")
+    run_cell(
+        "%%gpumem --quiet\nimport transformers\ntorch.manual_seed(0)\n"
+        "cfg6 = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=50257, n_positions=256)\n"
+        "lm6 = transformers.GPT2LMHeadModel(cfg6).eval()\nids6 = torch.randint(0, 50257, (4, 256))\n"
+        "lm6(ids6[:1, :4]);"
+    )
+    yield
+    for name in ("cfg6", "lm6", "ids6", "next6", "transformers"):
+        shell.user_ns.pop(name, None)
+
+
+NEXT_TOKEN = """\
+with torch.no_grad():
+    next6 = lm6(ids6).logits[:, -1].argmax(-1)
+"""
+
+
+def test_logits_larger_than_the_budget_are_named_and_computed_for_the_last_position_only(
+    shell, run_cell, lm6
+):
+    run_cell(f"%%gpumem --limit {limit_above(64 * MiB)} --plan-budget 0 --quiet\n{NEXT_TOKEN}")
+    run = last_run()
+    assert run.outcome == "oom" and run.report.requested == 4 * 256 * 50257 * 4
+    big = finding(run, "too_large")
+    assert (
+        f"One request of 196.32 MiB is larger than the whole {format_bytes(run.limit)} limit (line 2 of the "
+        "cell, in forward()): the logits, the output of `lm_head` (Linear 64 → 50,257) of GPT2LMHeadModel: "
+        "4 × 256 × 50,257 (batch × sequence × vocabulary) float32 values, 196.32 MiB."
+    ) in big.evidence
+    assert "(now 4)" in big.evidence and "shorter sequences (now 256 tokens)" in big.evidence
+    keep = remedy(big, "logits_to_keep")
+    assert keep.automatic and keep.saving == 4 * 255 * 50257 * 4
+    assert keep.new_source == NEXT_TOKEN.replace("lm6(ids6)", "lm6(ids6, logits_to_keep=1)")
+    new = retried(shell, run, keep)
+    assert new.applied == (keep,) and new.peak_allocated - new.recording.before_allocated < 16 * MiB
+    with torch.no_grad():  # the same next tokens as the full logits give
+        expected = shell.user_ns["lm6"](shell.user_ns["ids6"][:1]).logits[:, -1].argmax(-1)
+    assert shell.user_ns["next6"].shape == (4,) and shell.user_ns["next6"][0] == expected[0]
+
+
+def test_one_request_whose_frames_name_no_operation_gets_no_shape(shell, run_cell, lm6):
+    run_cell(
+        f"%%gpumem --limit {limit_above(64 * MiB)} --plan-budget 0 --quiet\nbig6 = torch.empty(32 * 2**20)"
+    )
+    run = last_run()
+    assert run.outcome == "oom" and run.context.request is None
+    big = finding(run, "too_large")
+    assert "×" not in big.evidence and "logits_to_keep" not in {r.kind for r in big.remedies}
+
+
+def test_logits_read_in_full_are_not_offered_logits_to_keep(shell, run_cell, lm6):
+    cell = "with torch.no_grad():\n    probs6 = lm6(ids6).logits.softmax(-1)\n"
+    run_cell(f"%%gpumem --limit {limit_above(64 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    big = finding(run, "too_large")
+    assert "4 × 256 × 50,257 (batch × sequence × vocabulary)" in big.evidence
+    assert "logits_to_keep" not in {r.kind for r in big.remedies}
+    shell.user_ns.pop("probs6", None)
 
 
 # --- 9. generation -------------------------------------------------------------------------------------

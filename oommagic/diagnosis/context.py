@@ -41,6 +41,7 @@ from .holdings import (
     tensor_storages,
 )
 from .holdings import model_info as _model_info
+from .request import Computation, match_request, read_computation
 from .source import BatchGuess
 
 # run/ (release, snapshot, roles, fixes) reads these from here, where they were before `holdings` existed.
@@ -81,6 +82,7 @@ class NamespaceScan:
     loading: tuple[Loading, ...] = ()
     installed: tuple[str, ...] = ()
     transformers_version: str | None = None
+    computation: Computation | None = None
 
 
 def scan_namespace(
@@ -123,7 +125,14 @@ def scan_namespace(
             loading=loadings(source, namespace),
             installed=installed(("bitsandbytes", "accelerate")),
             transformers_version=_version("transformers"),
+            computation=_computation(error),
         )
+
+
+def _computation(error: BaseException | None) -> Computation | None:
+    with contextlib.suppress(Exception):  # an exotic frame must not stop the diagnosis
+        return read_computation(error)
+    return None
 
 
 def failing_frames(
@@ -348,6 +357,7 @@ def make_context(
         loading=scan.loading,
         installed=scan.installed,
         transformers_version=scan.transformers_version,
+        request=match_request(scan.computation, report.requested if report else None),
     )
 
 

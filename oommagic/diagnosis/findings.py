@@ -28,6 +28,7 @@ __all__ = [
     "ModelInfo",
     "Pin",
     "Remedy",
+    "Request",
     "figures",
 ]
 
@@ -58,6 +59,7 @@ KINDS = frozenset(
         "split_generate",
         "kv_cache",
         "shutdown_kernel",
+        "logits_to_keep",
     }
 )
 
@@ -169,6 +171,31 @@ class Loading:
 
 
 @dataclass(frozen=True)
+class Request:
+    """The one allocation that failed, where the failing frames show what made it: its ``shape``, dtype and
+    ``bytes``, the operation in words (``the output of `lm_head` (Linear 64 → 50,257)``), a name per
+    dimension where the model's inputs and config give them (``("batch", "sequence", "vocabulary")``,
+    else ()), whether it is a language model's logits, the keyword the model's forward takes to keep only
+    the last positions' logits (``logits_to_keep``), and the model's class."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    op: str
+    dims: tuple[str, ...] = ()
+    logits: bool = False
+    keep_keyword: str | None = None
+    model: str | None = None
+
+    def shape_words(self) -> str:
+        """'8 × 512 × 50,257 (batch × sequence × vocabulary) float32 values'."""
+        text = " × ".join(f"{d:,}" for d in self.shape)
+        if self.dims:
+            text += f" ({' × '.join(self.dims)})"
+        return f"{text} {self.dtype} values"
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
 
@@ -238,6 +265,7 @@ class DiagnosisContext:
     loading: tuple[Loading, ...] = ()
     installed: tuple[str, ...] = ()  # of bitsandbytes, accelerate: those importable in this kernel
     transformers_version: str | None = None
+    request: Request | None = None  # the one allocation that failed, where the failing frames name it
 
     @property
     def failing_line(self) -> int | None:

@@ -26,6 +26,7 @@ _TIER = {
     "eval_batch": 0,
     "split_generate": 0,
     "checkpointing": 0,
+    "logits_to_keep": 0,
     "autocast": 1,
     "quantize": 1,
     "kv_cache": 1,

@@ -16,6 +16,7 @@ from .rewrite import (
     accumulates,
     changed_lines,
     insert_after_assignment,
+    keep_last_logits_source,
     keep_numbers_source,
     load_source,
     no_grad_source,
@@ -31,6 +32,7 @@ from .source import (
     checkpoints,
     eval_batch_literal,
     kept_sites,
+    last_logits_calls,
     names_read,
     tokenizer_calls,
 )
@@ -417,6 +419,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return split_generate_source(source, p["chunk"]) or source
     if remedy.kind == "kv_cache":
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
+    if remedy.kind == "logits_to_keep":
+        return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
     if remedy.kind == "eval_batch":
         node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
         return (set_literal(source, node, p["new"]) if node is not None else None) or source
@@ -829,5 +833,37 @@ def truncate(
         else f"tokenizer(texts, truncation=True, max_length={max_length})",
         automatic=new_source is not None,
         params={"max_length": max_length, "outlier": outlier},
+        new_source=new_source,
+    )
+
+
+# --- one request larger than the budget ------------------------------------------------------------------
+
+
+def logits_to_keep(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
+    """``logits_to_keep=1`` in the cell's calls of the model whose logits it reads only at the last
+    position, where the failed request is those logits and the model's forward takes the keyword; None
+    otherwise."""
+    req = ctx.request
+    if req is None or not req.logits or req.keep_keyword is None:
+        return None
+    models = {m.name.split(".", 1)[0].split("[", 1)[0] for m in ctx.models}
+    calls = tuple(c for c in last_logits_calls(ctx.source) if not models or c.split(".", 1)[0] in models)
+    new_source = keep_last_logits_source(ctx.source, calls, req.keep_keyword) if calls else None
+    if new_source is None:
+        return None
+    positions = dict(zip(req.dims, req.shape, strict=False)).get("sequence")
+    saving = req.bytes - req.bytes // positions if positions else None
+    return _made(
+        fig,
+        "logits_to_keep",
+        f"Only the last position's logits ({req.keep_keyword}=1)",
+        f"The cell reads the logits only at the last position (`[:, -1]`), yet {req.model or 'the model'} "
+        f"computes them for all {positions or 'the'} positions; with `{req.keep_keyword}=1` it computes "
+        "that one position's: the same values, a sequence-length fraction of the memory.",
+        saving,
+        code=changed_lines(ctx.source, new_source),
+        automatic=True,
+        params={"calls": list(calls), "keyword": req.keep_keyword},
         new_source=new_source,
     )

@@ -163,6 +163,15 @@ def set_call_keyword(
     return _checked(_apply(source, edits))
 
 
+def keep_last_logits_source(source: str, calls: tuple[str, ...], keyword: str) -> str | None:
+    """The cell with ``keyword=1`` (``logits_to_keep``) in every call to ``calls``: the model computes the
+    logits of the last position only. None where nothing changes."""
+    new = source
+    for func in calls:
+        new = set_call_keyword(new, func, keyword, 1) or new
+    return new if new != source else None
+
+
 def insert_after_assignment(source: str, name: str, statement: str) -> str | None:
     """Return the cell with ``statement`` on its own line after the last top-level assignment to
     ``name`` (``model = AutoModel...`` → ``model.gradient_checkpointing_enable()`` below it); None when

@@ -20,7 +20,7 @@ from ..timeline import Timeline
 from . import remedies as fix
 from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, figures
 from .remedies import MARGIN
-from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read
+from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read, tokenizer_calls
 
 __all__ = [
     "BatchGuess",
@@ -200,7 +200,7 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     if single:
         parts.append(
             f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}{_where(ctx)}: "
-            + _request_knob(ctx)
+            + (_request_words(ctx) if ctx.request is not None else _request_knob(ctx))
         )
     if state_too_large:
         each = ", ".join(_state_words(m) for m in ctx.models)
@@ -211,6 +211,7 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
         # The one request scales with the batch that made it: the evaluation's where it failed there.
         shrink, _ = _eval_batch_remedy(ctx, fig) if ctx.evaluating else _batch_remedy(ctx, fig, fig.training)
         remedies.append(shrink)
+        remedies.extend(_request_remedies(ctx, fig))
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
 
 
@@ -267,6 +268,47 @@ def _request_knob(ctx: DiagnosisContext) -> str:
             "needed (generation, scoring), shorter sequences, or a chunked loss make it smaller"
         )
     return "shrink what makes it (batch, sequence length) or compute it in chunks"
+
+
+def _request_words(ctx: DiagnosisContext) -> str:
+    """What the failing frames say the one request was (its operation, shape and dtype) and the knobs
+    that shrink it, from the dimensions they name."""
+    r = ctx.request
+    assert r is not None
+    text = ("the logits, " if r.logits else "") + r.op
+    text += f" of {r.model}" if r.model and r.model not in r.op else ""
+    text += f": {r.shape_words()}, {fmt(r.bytes)}. Made smaller by "
+    sizes = dict(zip(r.dims, r.shape, strict=False))
+    knobs = []
+    if r.logits and r.keep_keyword:
+        knobs.append(
+            f"`{r.keep_keyword}=1` where only the last position's logits are read (scoring, the next token)"
+        )
+    if "batch" in sizes or "batch·sequence" in sizes:
+        batch = "the evaluation batch" if ctx.evaluating else "fewer samples at a time"
+        knobs.append(batch + (f" (now {sizes['batch']:,})" if "batch" in sizes else ""))
+    if "sequence" in sizes or "batch·sequence" in sizes:
+        knobs.append(
+            "shorter sequences" + (f" (now {sizes['sequence']:,} tokens)" if "sequence" in sizes else "")
+        )
+    if r.logits and ctx.training:
+        knobs.append("a chunked loss (a fused linear cross-entropy computes the logits a slice at a time)")
+    if not knobs:
+        knobs.append("computing it in chunks")
+    return text + (", ".join(knobs[:-1]) + " or " + knobs[-1] if len(knobs) > 1 else knobs[0])
+
+
+def _request_remedies(ctx: DiagnosisContext, fig: Figures) -> list[Remedy | None]:
+    """The fixes that shrink the one request the failing frames name: its logits kept at the last
+    position only, its sequences truncated by the cell's tokenizer calls."""
+    r = ctx.request
+    if r is None:
+        return []
+    out = [fix.logits_to_keep(ctx, fig)]
+    positions = dict(zip(r.dims, r.shape, strict=False)).get("sequence")
+    if positions and positions > TRUNCATE_TO and not ctx.has_truncation and tokenizer_calls(ctx.source):
+        out.append(fix.truncate(ctx, fig, r.bytes * (positions - TRUNCATE_TO) // positions, TRUNCATE_TO))
+    return out
 
 
 def _state_words(m: ModelInfo) -> str:
@@ -330,10 +372,19 @@ def _where(ctx: DiagnosisContext) -> str:
     last = max((i for i, f in enumerate(ctx.frames) if f.in_cell), default=None)
     # The first library function the cell called there: the one a person recognises.
     after = ctx.frames[last + 1 :] if last is not None else ()
-    inner = next((f.function for f in after if not f.function.startswith(("_", "<"))), None)
+    inner = next((f.function for f in after if not _plumbing(f.function)), None)
     parts = [f"line {line} of the cell" if line else "", f"in {inner}()" if inner else ""]
     text = ", ".join(p for p in parts if p)
     return f" ({text})" if text else ""
+
+
+# Decorators' inner functions (transformers' `can_return_tuple`, `deprecate_kwarg`, torch's no_grad):
+# not what a person called.
+_WRAPPERS = frozenset({"wrapper", "wrapped_func", "wrapped", "inner", "decorate_context"})
+
+
+def _plumbing(function: str) -> bool:
+    return function.startswith(("_", "<")) or function in _WRAPPERS
 
 
 def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:

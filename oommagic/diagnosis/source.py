@@ -408,6 +408,72 @@ def generate_inputs(source: str) -> list[tuple[str, str | None]]:
     return [(e.id, key) for e, key in pairs if isinstance(e, ast.Name)]
 
 
+def last_logits_calls(source: str) -> tuple[str, ...]:
+    """The called names (``model``) of the calls whose logits the cell reads only at the last position:
+    ``model(ids).logits[:, -1]``, or ``out = model(ids)`` with every ``out.logits`` read as
+    ``out.logits[:, -1]``. A name also called where all its logits are read is left out."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    assigned: dict[str, list[ast.Call]] = {}
+    for node in ast.walk(tree):
+        one = isinstance(node, ast.Assign) and len(node.targets) == 1
+        if one and isinstance(node.value, ast.Call) and isinstance(node.targets[0], ast.Name):
+            assigned.setdefault(node.targets[0].id, []).append(node.value)
+    reads: dict[int, list[ast.expr]] = {}  # id(call) -> the expressions that read its result
+    for name, calls in assigned.items():
+        loads = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        ]
+        for call in calls:
+            reads[id(call)] = loads
+    good: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        dotted = dotted_name(node.func)
+        uses = reads.get(id(node), [node])
+        logits = [parents.get(u) for u in uses]
+        if not any(isinstance(p, ast.Attribute) and p.attr == "logits" for p in logits):
+            continue  # its logits are not read here (or not through `.logits`)
+        last = all(
+            isinstance(p, ast.Attribute) and p.attr == "logits" and _last_position(parents.get(p), p)
+            for p in logits
+        )
+        good[dotted] = good.get(dotted, True) and last and "?" not in dotted
+    return tuple(name for name, ok in good.items() if ok)
+
+
+def _last_position(node: ast.AST | None, value: ast.AST) -> bool:
+    """Whether ``node`` subscripts ``value`` at the last position of its second dimension:
+    ``[:, -1]``, ``[:, -1, :]``, ``[:, -1:]``, ``[0, -1]``."""
+    if (
+        not isinstance(node, ast.Subscript)
+        or node.value is not value
+        or not isinstance(node.slice, ast.Tuple)
+    ):
+        return False
+    elts = node.slice.elts
+    if len(elts) < 2:
+        return False
+    second = elts[1]
+    if isinstance(second, ast.Slice):
+        return second.upper is None and second.step is None and _minus_one(second.lower)
+    return _minus_one(second)
+
+
+def _minus_one(node: ast.expr | None) -> bool:
+    return (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and node.operand.value == 1
+    ) or (isinstance(node, ast.Constant) and node.value == -1)
+
+
 # A value kept in these forms holds no device memory and no graph.
 _DETACHED = (".item()", ".tolist()", ".numpy()")
 _NUMBER_CALLS = frozenset({"float", "int", "round", "len", "str", "bool"})
