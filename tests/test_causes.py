@@ -234,6 +234,97 @@ def test_an_evaluation_failure_halves_the_evaluation_batch_not_the_training_one(
         shell.user_ns.pop(name, None)
 
 
+LIGHTNING_MODULE = """\
+class Lit5(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+
+    def training_step(self, batch, i):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def validation_step(self, batch, i):
+        (x,) = batch
+        self.log("val_loss", self.net(x).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(ds5, batch_size=TRAIN_BATCH)
+
+    def val_dataloader(self):
+        return DataLoader(ds5, batch_size=1024)
+"""
+QUIET_TRAINER = (
+    "trainer5 = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=2, accelerator='cpu', "
+    "logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+)
+
+
+@pytest.fixture
+def lightning5(shell, run_cell):
+    pytest.importorskip("lightning")
+    run_cell(
+        "%%gpumem --quiet\nimport lightning.pytorch as pl\n"
+        "from torch.utils.data import DataLoader, TensorDataset\ntorch.manual_seed(0)\n"
+        "ds5 = TensorDataset(torch.randn(2048, 256))\nds5[0];"
+    )
+    yield
+    for name in ("pl", "ds5", "Lit5", "lit5", "trainer5"):
+        shell.user_ns.pop(name, None)
+
+
+def test_a_lightning_validation_failure_halves_the_val_dataloader_of_an_earlier_cell(
+    shell, run_cell, lightning5
+):
+    run_cell(LIGHTNING_MODULE.replace("TRAIN_BATCH", "8") + "lit5 = Lit5()\n")
+    cell = QUIET_TRAINER + "trainer5.validate(lit5)\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom" and run.context.evaluating
+    act = finding(run, "activations")
+    assert "The failure came in an evaluation (line 2 of the cell, in validate())" in act.evidence
+    assert "per sample at batch_size=1024" in act.evidence
+    # Lightning evaluates under inference_mode: no autograd finding, and never the training batch.
+    assert {f.key for f in run.findings}.isdisjoint({"autograd", "kept"})
+    assert "batch" not in {r.kind for f in run.findings for r in f.remedies}
+    fix = remedy(act, "eval_batch")
+    assert fix.title == "Evaluation batch 1024 → 512" and "Lit5.val_dataloader" in fix.explanation
+    assert fix.new_source == cell.replace(
+        "trainer5.validate(lit5)", "trainer5.validate(lit5, dataloaders=DataLoader(ds5, batch_size=512))"
+    )
+    new = retried(shell, run, fix)
+    assert new.applied == (fix,) and "val_loss" in shell.user_ns["trainer5"].callback_metrics
+    # Undone, the cell runs as written again (and runs out again): the class was never changed.
+    undone = session_for(shell).remove(new, 0)
+    assert undone.source == cell and undone.outcome == "oom"
+
+
+def test_a_lightning_fit_failing_in_its_validation_changes_the_val_dataloader_in_the_cell(
+    shell, run_cell, lightning5
+):
+    cell = LIGHTNING_MODULE.replace("TRAIN_BATCH", "8") + QUIET_TRAINER + "trainer5.fit(Lit5())\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom" and run.context.evaluating
+    fix = remedy(finding(run, "activations"), "eval_batch")
+    assert fix.new_source == cell.replace("batch_size=1024", "batch_size=512")
+    assert "batch_size=8" in fix.new_source  # the training loader stays
+    retried(shell, run, fix)
+    assert shell.user_ns["trainer5"].global_step == 2
+
+
+def test_a_lightning_training_step_failure_is_not_an_evaluation(shell, run_cell, lightning5):
+    cell = LIGHTNING_MODULE.replace("TRAIN_BATCH", "2048").replace("batch_size=1024)", "batch_size=8)")
+    cell += QUIET_TRAINER + "trainer5.fit(Lit5())\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom" and not run.context.evaluating and run.context.eval_batch is None
+    assert "eval_batch" not in {r.kind for f in run.findings for r in f.remedies}
+
+
 # --- 4. memory pinned outside %%gpumem -----------------------------------------------------------------
 
 

@@ -42,7 +42,7 @@ from .holdings import (
 )
 from .holdings import model_info as _model_info
 from .request import Computation, match_request, read_computation
-from .source import BatchGuess
+from .source import BatchGuess, EvalBatch
 
 # run/ (release, snapshot, roles, fixes) reads these from here, where they were before `holdings` existed.
 __all__ = [
@@ -83,6 +83,7 @@ class NamespaceScan:
     installed: tuple[str, ...] = ()
     transformers_version: str | None = None
     computation: Computation | None = None
+    eval_hook: tuple[str, str, str] | None = None
 
 
 def scan_namespace(
@@ -126,6 +127,7 @@ def scan_namespace(
             installed=installed(("bitsandbytes", "accelerate")),
             transformers_version=_version("transformers"),
             computation=_computation(error),
+            eval_hook=lightning_hook(error, namespace, source),
         )
 
 
@@ -150,13 +152,17 @@ def failing_frames(
     while tb is not None:
         raw.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
-    cell_files = {f.f_code.co_filename for f, _ in raw if f.f_globals is namespace}
+    # Functions of earlier cells run with the namespace as globals too: the cell is the module-level code.
+    cell_files = {
+        f.f_code.co_filename for f, _ in raw if f.f_globals is namespace and f.f_code.co_name == "<module>"
+    }
+    cell_files = cell_files or {f.f_code.co_filename for f, _ in raw if f.f_globals is namespace}
     lines = source.split("\n")
     frames, scopes = [], []
     for frame, lineno in raw:
         code = frame.f_code
-        in_cell = code.co_filename in cell_files
-        if in_cell and 0 < lineno <= len(lines):
+        in_cell = code.co_filename in cell_files and 0 < lineno <= len(lines)
+        if in_cell:
             # The cell as compiled may differ from `source` by IPython's transforms: trust matching text.
             text = linecache.getline(code.co_filename, lineno).strip()
             in_cell = not text or text == lines[lineno - 1].strip()
@@ -350,9 +356,10 @@ def make_context(
         applied=applied,
         frames=frames,
         kept=scan.kept,
-        grad_enabled=scan.grad_enabled,
+        grad_enabled=False if _library_evaluates(frames) else scan.grad_enabled,
         evaluating=evaluating,
-        eval_batch=cell.eval_batch(source, line) if evaluating else None,
+        eval_batch=_eval_batch(source, line, scan.eval_hook) if evaluating else None,
+        eval_hook=scan.eval_hook if evaluating else None,
         pins=scan.pins,
         loading=scan.loading,
         installed=scan.installed,
@@ -378,6 +385,70 @@ _EVAL_FRAMES = frozenset(
         "run_evaluation",
     }
 )
+
+
+def _library_evaluates(frames: tuple[Frame, ...]) -> bool:
+    """Whether the failure came inside the evaluation loop of transformers or Lightning, which run it with
+    autograd off (``prediction_step`` under ``no_grad``, Lightning's loops under ``inference_mode``): what
+    ``torch.is_grad_enabled()`` says after the error, outside those blocks, is not what it was."""
+    return any(
+        f.function in _EVAL_FRAMES
+        and not f.in_cell
+        and re.search(r"[/\\](transformers|lightning|pytorch_lightning)[/\\]", f.file)
+        for f in frames
+    )
+
+
+def _eval_batch(source: str, line: int | None, hook: tuple[str, str, str] | None) -> EvalBatch | None:
+    """The batch size of the evaluation that failed: set in the cell (``cell.eval_batch``), or for a
+    Lightning evaluation, the loader passed to the trainer's call or returned by the hook
+    (``val_dataloader``) of a class this cell or an earlier one defines."""
+    found = cell.eval_batch(source, line)
+    if found is not None or hook is None:
+        return found
+    name, owner, hook_source = hook
+    found = cell.lightning_eval_batch(source, name)
+    if found is None and hook_source:
+        earlier = cell.hook_batch(hook_source, name)
+        found = EvalBatch(earlier.name, earlier.value, f"{owner}.{name}") if earlier else None
+    return found
+
+
+# Lightning's step hooks and the loader hooks that feed them.
+_STEP_HOOKS = {
+    "validation_step": "val_dataloader",
+    "test_step": "test_dataloader",
+    "predict_step": "predict_dataloader",
+}
+
+
+def lightning_hook(
+    error: BaseException | None, namespace: Mapping, source: str
+) -> tuple[str, str, str] | None:
+    """(loader hook, its class, the hook's source where an earlier cell defined it, else "") of the Lightning
+    evaluation a failure came in: the ``validation_step`` in the traceback names ``val_dataloader``, read
+    from the DataModule the cell passes (``datamodule=dm``) or else the LightningModule. None elsewhere."""
+    import inspect
+    import textwrap
+
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        hook = _STEP_HOOKS.get(tb.tb_frame.f_code.co_name)
+        owner = dict.get(tb.tb_frame.f_locals, "self") if hook else None
+        tb = tb.tb_next
+        if owner is None or not any(hook in vars(c) for c in type(owner).__mro__[:-1]):
+            continue
+        datamodule = cell.keyword_name(source, "datamodule")
+        held = namespace.get(datamodule) if datamodule else None
+        if held is not None and any(hook in vars(c) for c in type(held).__mro__[:-1]):
+            owner = held
+        func = next((vars(c)[hook] for c in type(owner).__mro__ if hook in vars(c)), None)
+        hook_source = ""
+        if isinstance(func, types.FunctionType) and func.__module__ == "__main__":
+            with contextlib.suppress(Exception):  # no source (exec'd code): the cell's own reading only
+                hook_source = textwrap.dedent(inspect.getsource(func))
+        return hook, type(owner).__name__, hook_source
+    return None
 
 
 def _evaluating(source: str, frames: tuple[Frame, ...], line: int | None) -> bool:

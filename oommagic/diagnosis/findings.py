@@ -266,6 +266,8 @@ class DiagnosisContext:
     installed: tuple[str, ...] = ()  # of bitsandbytes, accelerate: those importable in this kernel
     transformers_version: str | None = None
     request: Request | None = None  # the one allocation that failed, where the failing frames name it
+    # (loader hook, its class, its source if an earlier cell defined it) of a Lightning evaluation that failed
+    eval_hook: tuple[str, str, str] | None = None
 
     @property
     def failing_line(self) -> int | None:

@@ -20,6 +20,7 @@ from .rewrite import (
     keep_numbers_source,
     load_source,
     no_grad_source,
+    pass_hook_loader,
     rewrite_batch,
     set_call_keyword,
     set_literal,
@@ -421,6 +422,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
     if remedy.kind == "logits_to_keep":
         return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
+    if remedy.kind == "eval_batch" and p.get("hook"):
+        return pass_hook_loader(source, p["hook"], p["hook_source"], p["new"]) or source
     if remedy.kind == "eval_batch":
         node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
         return (set_literal(source, node, p["new"]) if node is not None else None) or source
@@ -606,12 +609,20 @@ def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) 
     """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is."""
     node = eval_batch_literal(ctx.source, batch)
     new_source = set_literal(ctx.source, node, new) if node is not None else None
+    hook = _earlier_hook(ctx, batch)
+    if hook is not None:
+        new_source = pass_hook_loader(ctx.source, hook[0], hook[2], new)
     saving = fig.activations * (batch.value - new) // batch.value if fig.activations else None
     why = (
         f"The failure came in an evaluation, whose memory scales with its own batch ({batch.name} of "
         f"{batch.owner}); the training batch is left as it is. Evaluation results do not depend on its "
         "batch size."
     )
+    if hook is not None:
+        why += (
+            f" {batch.owner} is defined in an earlier cell: this cell passes the trainer the loader it "
+            f"returns, with batch_size={new} (or change it there and run that cell again)."
+        )
     if batch.name == "per_device_eval_batch_size":
         why += (
             " Where the predictions pile up on the GPU until the end of the evaluation, "
@@ -625,9 +636,23 @@ def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) 
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else f"{batch.name}={new}",
         automatic=new_source is not None,
-        params={"name": batch.name, "owner": batch.owner, "old": batch.value, "new": new},
+        params={
+            "name": batch.name,
+            "owner": batch.owner,
+            "old": batch.value,
+            "new": new,
+            **({"hook": hook[0], "hook_source": hook[2]} if hook is not None else {}),
+        },
         new_source=new_source,
     )
+
+
+def _earlier_hook(ctx: DiagnosisContext, batch: EvalBatch) -> tuple[str, str, str] | None:
+    """The Lightning loader hook defined in an earlier cell whose batch ``batch`` is, if it is one."""
+    hook = ctx.eval_hook
+    if hook is None or not hook[2] or batch.owner != f"{hook[1]}.{hook[0]}":
+        return None
+    return hook
 
 
 def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:

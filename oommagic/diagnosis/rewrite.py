@@ -457,3 +457,70 @@ def split_generate_source(source: str, chunk: int) -> str | None:
         edits.append((start, open_paren + 1, f"generate_in_chunks({func}, {chunk}{rest}"))
     body = _apply(source, edits)
     return _checked(CHUNKED_GENERATE + "\n\n" + body)
+
+
+def pass_hook_loader(source: str, hook: str, hook_source: str, batch_size: int) -> str | None:
+    """The cell with the loader that ``hook`` (a LightningModule's ``val_dataloader``, defined in an
+    earlier cell: ``hook_source``) returns, its ``batch_size=`` set to ``batch_size``, passed to the
+    trainer's call that would read the hook (``trainer.validate(model)`` →
+    ``trainer.validate(model, dataloaders=DataLoader(model.ds, batch_size=128))``). ``self`` in the hook
+    becomes the model the call is given. None where the hook is more than one ``return`` of an expression,
+    or the cell's call passes loaders or a datamodule already."""
+    from .source import lightning_calls
+
+    hook_tree = tree_of(hook_source)
+    tree = tree_of(source)
+    if hook_tree is None or tree is None:
+        return None
+    func = next(
+        (
+            n
+            for n in ast.walk(hook_tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == hook
+        ),
+        None,
+    )
+    if func is None:
+        return None
+    body = [s for s in func.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        return None
+    returned = body[0].value
+    hook_src = SourceText(hook_source)
+    literal = next(
+        (
+            k.value
+            for c in ast.walk(returned)
+            if isinstance(c, ast.Call) and dotted_name(c.func).endswith("DataLoader")
+            for k in c.keywords
+            if k.arg == "batch_size" and int_literal(k.value) is not None
+        ),
+        None,
+    )
+    if literal is None:
+        return None
+    selves = [n for n in ast.walk(returned) if isinstance(n, ast.Name) and n.id == "self"]
+    src = SourceText(source)
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        keyword = next((kw for method, kw in lightning_calls(hook) if node.func.attr == method), None)
+        passed = {k.arg for k in node.keywords}
+        model = (
+            node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "model"), None)
+        )
+        if keyword is None or keyword in passed or "datamodule" in passed or len(node.args) > 1:
+            continue
+        if not isinstance(model, (ast.Name, ast.Attribute)) or "?" in dotted_name(model):
+            continue
+        start, _ = hook_src.span(returned)
+        loader_edits = [(*hook_src.span(literal), str(batch_size))]
+        loader_edits += [(*hook_src.span(n), src.segment(model)) for n in selves]
+        text = _apply(hook_source, loader_edits)
+        shift = len(text) - len(hook_source)
+        expr = text[start : hook_src.span(returned)[1] + shift]
+        if "\n" in expr:
+            expr = " ".join(line.strip() for line in expr.splitlines())
+        edits.append(_insert_keyword(src, node, f"{keyword}={expr}"))
+    return _checked(_apply(source, edits)) if edits else None

@@ -353,6 +353,15 @@ def keyword_value(source: str, keyword: str, ints: dict[str, int] | None = None)
     return None
 
 
+def keyword_name(source: str, keyword: str) -> str | None:
+    """The name passed as ``keyword=`` in a call of the cell (``dm`` of ``datamodule=dm``), if any."""
+    tree = tree_of(source)
+    for site in binding_sites(tree) if tree is not None else ():
+        if site.name == keyword and site.call is not None and isinstance(site.value, ast.Name):
+            return site.value.id
+    return None
+
+
 def passes_true(source: str, keyword: str) -> bool:
     """Whether some call in the cell passes ``keyword=`` something other than False/None/0."""
     tree = tree_of(source)
@@ -681,6 +690,57 @@ def eval_batch(source: str, line: int | None = None) -> EvalBatch | None:
     return None
 
 
+# Lightning's evaluation calls, the keyword each takes its loaders by, and the hook it reads them from
+# otherwise (the LightningModule's or the DataModule's method).
+_LIGHTNING_STAGES = {
+    "val_dataloader": (("validate", "dataloaders"), ("fit", "val_dataloaders")),
+    "test_dataloader": (("test", "dataloaders"),),
+    "predict_dataloader": (("predict", "dataloaders"),),
+}
+
+
+def lightning_eval_batch(source: str, hook: str) -> EvalBatch | None:
+    """The literal ``batch_size=`` of the loader a Lightning evaluation reads in this cell: passed to the
+    trainer's call (``trainer.validate(model, dataloaders=DataLoader(ds, batch_size=256))``, or a loader
+    the cell assigns and passes), else returned by the ``hook`` method (``val_dataloader``) of a class the
+    cell defines. None where the cell sets neither."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        for method, keyword in _LIGHTNING_STAGES.get(hook, ()):
+            passed = next((k.value for k in node.keywords if k.arg == keyword), None)
+            if node.func.attr == method and passed is not None:
+                found = _loader_batch(tree, passed)
+                if found is not None:
+                    owner = found.owner if found.owner != "DataLoader" else keyword
+                    return EvalBatch(found.name, found.value, owner)
+    return hook_batch(source, hook)
+
+
+def hook_batch(source: str, hook: str) -> EvalBatch | None:
+    """The literal ``batch_size=`` of the ``DataLoader(...)`` that the method ``hook`` in ``source``
+    returns (``def val_dataloader(self): return DataLoader(ds, batch_size=256)``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == hook:
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and dotted_name(call.func).rsplit(".", 1)[-1] == "DataLoader":
+                    value = next((int_literal(k.value) for k in call.keywords if k.arg == "batch_size"), None)
+                    if value:
+                        return EvalBatch("batch_size", value, hook)
+    return None
+
+
+def lightning_calls(hook: str) -> tuple[tuple[str, str], ...]:
+    """(trainer method, loader keyword) of the calls that read ``hook``'s loaders."""
+    return _LIGHTNING_STAGES.get(hook, ())
+
+
 def _loader_batch(tree: ast.Module, it: ast.expr) -> EvalBatch | None:
     """The literal ``batch_size=`` of the loader ``it`` (a ``DataLoader(...)`` call, or a name assigned
     one; through ``enumerate``/``tqdm`` wrappers)."""
@@ -721,15 +781,24 @@ def eval_batch_literal(source: str, batch: EvalBatch) -> ast.expr | None:
                 return site.value
         return None
     for node in ast.walk(tree):
-        call = None
-        if isinstance(node, ast.Assign) and any(
+        calls: list[ast.expr] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == batch.owner:
+            # A Lightning hook (`def val_dataloader(self): return DataLoader(...)`).
+            calls = [
+                c
+                for c in ast.walk(node)
+                if isinstance(c, ast.Call) and dotted_name(c.func).endswith("DataLoader")
+            ]
+        elif isinstance(node, ast.Call):
+            calls = [k.value for k in node.keywords if k.arg == batch.owner]  # `dataloaders=DataLoader(...)`
+        elif isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == batch.owner for t in node.targets
         ):
-            call = node.value
+            calls = [node.value]
         elif isinstance(node, (ast.For, ast.AsyncFor)) and batch.owner == "DataLoader":
-            call = node.iter
-        if isinstance(call, ast.Call):
-            for kw in call.keywords:
+            calls = [node.iter]
+        for call in calls:
+            for kw in call.keywords if isinstance(call, ast.Call) else ():
                 if kw.arg == batch.name and int_literal(kw.value) == batch.value:
                     return kw.value
     return None
