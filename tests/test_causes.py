@@ -44,8 +44,12 @@ def limit_above(extra: int) -> str:
 
 
 def finding(run, key: str):
-    found = {f.key: f for f in run.findings}
-    assert key in found, [(f.key, f.evidence) for f in run.findings]
+    return finding_of(run.findings, key)
+
+
+def finding_of(findings, key: str):
+    found = {f.key: f for f in findings}
+    assert key in found, [(f.key, f.evidence) for f in findings]
     return found[key]
 
 
@@ -544,10 +548,12 @@ def test_long_prompts_prefill_is_split_into_chunks_not_fewer_new_tokens(shell, r
     run = last_run()
     assert run.outcome == "oom"
     gen = finding(run, "generation")
-    assert "the prefill of all 16 prompts at once is the peak, so fewer new tokens cannot make it fit" in (
-        gen.evidence
-    )
-    assert "max_new_tokens" not in {r.kind for r in gen.remedies}
+    assert (
+        "The error came in the prefill (`_prefill` in the traceback), where all 16 prompts of 128 tokens "
+        "go through the model at once before any new token exists: fewer new tokens or a smaller KV cache "
+        "cannot make it fit; generating fewer prompts at a time does"
+    ) in gen.evidence
+    assert {r.kind for r in gen.remedies}.isdisjoint({"max_new_tokens", "kv_cache", "quantized_cache"})
     split = remedy(gen, "split_generate")
     assert split.automatic and split.title == "Generate 8 prompts at a time (of 16)"
     assert split.new_source.endswith(
@@ -557,6 +563,62 @@ def test_long_prompts_prefill_is_split_into_chunks_not_fewer_new_tokens(shell, r
     assert tuple(shell.user_ns["out9"].shape) == (16, 144)
     for name in ("model9", "ids9", "out9", "path9", "generate_in_chunks"):
         shell.user_ns.pop(name, None)
+
+
+GENERATES = "out9 = lm9.generate(ids9, max_new_tokens=16, min_new_tokens=16, do_sample=False)\n"
+
+
+def test_a_kv_cache_that_outgrows_the_budget_is_quantized(shell, run_cell):
+    pytest.importorskip("transformers")
+    # 8 layers of 512-wide keys and values for 32 prompts: the float32 KV cache is most of what grows.
+    run_cell(
+        "%%gpumem --quiet\nimport transformers\ntorch.manual_seed(0)\n"
+        "cfg9 = transformers.GPT2Config(n_embd=512, n_layer=8, n_head=8, vocab_size=64, n_positions=64)\n"
+        "lm9 = transformers.GPT2LMHeadModel(cfg9).eval()\nlm9.generation_config.pad_token_id = 0\n"
+        "ids9 = torch.randint(0, 64, (32, 8))\nlm9(ids9[:1, :2]);"
+    )
+    run_cell(f"%%gpumem --limit {limit_above(20 * MiB)} --plan-budget 0 --quiet\n{GENERATES}")
+    run = last_run()
+    assert run.outcome == "oom"
+    if "fp8" not in (run.context.kv_backends or ()):
+        pytest.skip("this transformers has no fp8 quantized cache, and no other backend is installed")
+    gen = finding(run, "generation")
+    quant = remedy(gen, "quantized_cache")
+    assert quant.automatic and quant.title == "Quantized KV cache (fp8)"
+    assert quant.new_source == GENERATES.replace(
+        "do_sample=False)",
+        'do_sample=False, cache_implementation=\'quantized\', cache_config={"backend": "fp8"})',
+    )
+    assert "25% of the float32 values' bytes" in quant.explanation
+    new = retried(shell, run, quant)
+    assert tuple(shell.user_ns["out9"].shape) == (32, 24) and new.applied == (quant,)
+    for name in ("cfg9", "lm9", "ids9", "out9"):
+        shell.user_ns.pop(name, None)
+
+
+def test_a_quantized_cache_without_a_backend_says_what_to_install_and_is_no_button():
+    from oommagic.diagnosis.findings import DiagnosisContext, Frame
+    from oommagic.diagnosis.rules import diagnose
+    from oommagic.oom import OOMReport
+
+    ctx = DiagnosisContext(
+        source="out = model.generate(**enc, max_new_tokens=2048)\n",
+        generation=True,
+        capacity=24 * 1024 * MiB,
+        prompt_tokens=32,
+        kv_backends=(),
+    )
+    report = OOMReport(text="CUDA out of memory.", requested=1024 * MiB, capacity=24 * 1024 * MiB, free=0)
+    quant = remedy(finding_of(diagnose(report, ctx), "generation"), "quantized_cache")
+    assert not quant.automatic and quant.title == "Quantized KV cache: first `pip install optimum-quanto`"
+    assert quant.code.startswith("%pip install optimum-quanto\n")
+    # A transformers without a quantized cache offers none; a failure in the prefill offers no cache at all.
+    older = DiagnosisContext(**{**ctx.__dict__, "kv_backends": None})
+    assert "quantized_cache" not in {r.kind for f in diagnose(report, older) for r in f.remedies}
+    frames = (Frame("<module>", 1, True), Frame("generate", 2), Frame("_prefill", 3))
+    prefill = DiagnosisContext(**{**ctx.__dict__, "frames": frames, "kv_backends": ("fp8",)})
+    kinds = {r.kind for f in diagnose(report, prefill) for r in f.remedies}
+    assert kinds.isdisjoint({"quantized_cache", "kv_cache", "max_new_tokens"})
 
 
 def test_offloaded_kv_cache_is_a_rewrite_of_the_generate_call():

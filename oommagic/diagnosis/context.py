@@ -84,6 +84,7 @@ class NamespaceScan:
     transformers_version: str | None = None
     computation: Computation | None = None
     eval_hook: tuple[str, str, str] | None = None
+    kv_backends: tuple[str, ...] | None = None
 
 
 def scan_namespace(
@@ -105,6 +106,7 @@ def scan_namespace(
         where = torch.device(device)
         ints = tuple((k, v) for k, v in namespace.items() if type(v) is int and not IPYTHON_NAME.fullmatch(k))
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
+        generation = _generates(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
         leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
         models = models + _model_being_built(error, models, source, trains, checkpointing)
@@ -113,7 +115,7 @@ def scan_namespace(
             leftovers=leftovers,
             models=models,
             ints=ints,
-            generation=_generates(source, namespace),
+            generation=generation,
             prompt_tokens=prompt_tokens(source, namespace),
             prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
@@ -128,6 +130,7 @@ def scan_namespace(
             transformers_version=_version("transformers"),
             computation=_computation(error),
             eval_hook=lightning_hook(error, namespace, source),
+            kv_backends=quantized_cache_backends() if generation else None,
         )
 
 
@@ -246,6 +249,47 @@ def installed(names: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def quantized_cache_backends() -> tuple[str, ...] | None:
+    """The backends transformers' quantized KV cache (``cache_implementation="quantized"``) can use in
+    this kernel, best first: ``quanto`` (optimum-quanto, 4-bit), ``hqq``, ``fp8`` (built into newer
+    transformers); () where it has none installed; None where the loaded transformers has no quantized
+    cache. Reads the loaded modules and the installed packages; imports nothing."""
+    import sys
+
+    utils = sys.modules.get("transformers.cache_utils")
+    if utils is None:
+        return None
+    names = vars(utils)
+    if not any(n in names for n in ("QuantizedCache", "QuantoQuantizedCache", "HQQQuantizedCache")):
+        return None
+    found = []
+    if _has_submodule("optimum", "quanto"):
+        found.append("quanto")
+    if installed(("hqq",)):
+        found.append("hqq")
+    if "Fp8QuantizedLayer" in names:
+        found.append("fp8")
+    return tuple(found)
+
+
+def _has_submodule(package: str, name: str) -> bool:
+    """Whether ``package.name`` is installed, without importing ``package``."""
+    import importlib.machinery
+
+    for folder in _search_paths(package):
+        if importlib.machinery.PathFinder.find_spec(name, [folder]) is not None:
+            return True
+    return False
+
+
+def _search_paths(package: str) -> list[str]:
+    import importlib.machinery
+    import sys
+
+    spec = importlib.machinery.PathFinder.find_spec(package, sys.path)
+    return list(spec.submodule_search_locations or []) if spec is not None else []
+
+
 @functools.lru_cache(maxsize=8)
 def _version(dist: str) -> str | None:
     module = __import__("sys").modules.get(dist)
@@ -360,6 +404,7 @@ def make_context(
         evaluating=evaluating,
         eval_batch=_eval_batch(source, line, scan.eval_hook) if evaluating else None,
         eval_hook=scan.eval_hook if evaluating else None,
+        kv_backends=scan.kv_backends,
         pins=scan.pins,
         loading=scan.loading,
         installed=scan.installed,

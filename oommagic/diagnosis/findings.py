@@ -60,6 +60,7 @@ KINDS = frozenset(
         "kv_cache",
         "shutdown_kernel",
         "logits_to_keep",
+        "quantized_cache",
     }
 )
 
@@ -268,6 +269,8 @@ class DiagnosisContext:
     request: Request | None = None  # the one allocation that failed, where the failing frames name it
     # (loader hook, its class, its source if an earlier cell defined it) of a Lightning evaluation that failed
     eval_hook: tuple[str, str, str] | None = None
+    # backends of transformers' quantized KV cache usable here, best first (None: no quantized cache)
+    kv_backends: tuple[str, ...] | None = None
 
     @property
     def failing_line(self) -> int | None:

@@ -30,6 +30,7 @@ _TIER = {
     "autocast": 1,
     "quantize": 1,
     "kv_cache": 1,
+    "quantized_cache": 1,
     "truncate": 2,
     "max_new_tokens": 2,
     "num_beams": 2,

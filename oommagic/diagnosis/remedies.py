@@ -21,6 +21,7 @@ from .rewrite import (
     load_source,
     no_grad_source,
     pass_hook_loader,
+    quantized_cache_source,
     rewrite_batch,
     set_call_keyword,
     set_literal,
@@ -418,6 +419,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return load_source(source, {"device_map": '"auto"', "max_memory": mem}) or source
     if remedy.kind == "split_generate":
         return split_generate_source(source, p["chunk"]) or source
+    if remedy.kind == "quantized_cache":
+        return quantized_cache_source(source, p["cache_config"]) or source
     if remedy.kind == "kv_cache":
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
     if remedy.kind == "logits_to_keep":
@@ -834,6 +837,60 @@ def kv_cache_offload(ctx: DiagnosisContext, fig: Figures, saving: int | None) ->
         else 'model.generate(..., cache_implementation="offloaded")',
         automatic=new_source is not None,
         params={"cache_implementation": "offloaded"},
+        new_source=new_source,
+    )
+
+
+# Bytes of one cached value by backend: quanto and hqq store 4 bits (cache_config nbits=4), fp8 one byte.
+_QUANTIZED_BYTES = {"quanto": 0.5, "hqq": 0.5, "fp8": 1.0}
+_BACKEND_PACKAGE = {"quanto": "optimum-quanto", "hqq": "hqq"}
+
+
+def quantized_cache_config(backend: str) -> str:
+    """The ``cache_config`` of transformers' quantized cache for ``backend``, as source text."""
+    return '{"backend": "fp8"}' if backend == "fp8" else f'{{"backend": "{backend}", "nbits": 4}}'
+
+
+def kv_cache_quantized(ctx: DiagnosisContext, fig: Figures, activations: int | None) -> Remedy:
+    """transformers' quantized KV cache in the cell's ``generate`` calls, with the best backend installed;
+    where none is, the install line (and no button)."""
+    backends = ctx.kv_backends or ()
+    backend = backends[0] if backends else "quanto"
+    config = quantized_cache_config(backend)
+    new_source = quantized_cache_source(ctx.source, config) if backends else None
+    dtype = next((m.dtype for m in ctx.models if m.is_hf), None) or (
+        ctx.models[0].dtype if ctx.models else "float32"
+    )
+    element = ELEMENT_SIZE.get(dtype, 4)
+    kept = _QUANTIZED_BYTES[backend] / element
+    # An upper bound: the cache is part of what grew; the layer being run is dequantized in full.
+    saving = int(activations * (1 - kept)) if activations else None
+    what = "8-bit floats" if backend == "fp8" else "4-bit integers"
+    why = (
+        f"transformers keeps the KV cache in {what} ({kept:.0%} of the {dtype} values' bytes) and "
+        "dequantizes one layer at a time as it runs: generation is slower and its numbers change slightly. "
+        "The saving is an upper bound."
+    )
+    install = _BACKEND_PACKAGE.get(backend)
+    if not backends:
+        why += f" No backend is installed in this kernel: `pip install {install}`, restart, then retry."
+    code = (
+        changed_lines(ctx.source, new_source)
+        if new_source
+        else f"%pip install {install}\n# after a kernel restart:\n"
+        f'model.generate(..., cache_implementation="quantized", cache_config={config})'
+    )
+    return _made(
+        fig,
+        "quantized_cache",
+        f"Quantized KV cache ({backend})"
+        if backends
+        else f"Quantized KV cache: first `pip install {install}`",
+        why,
+        saving,
+        code=code,
+        automatic=new_source is not None,
+        params={"backend": backend, "cache_config": config},
         new_source=new_source,
     )
 

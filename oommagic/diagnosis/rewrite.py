@@ -432,6 +432,14 @@ def generate_in_chunks(generate, chunk, *args, **kwargs):
 '''
 
 
+def quantized_cache_source(source: str, config: str) -> str | None:
+    """The cell's ``generate`` calls with transformers' quantized KV cache: ``cache_implementation=
+    "quantized"`` and ``cache_config`` (source text, ``{"backend": "fp8"}``). None where the cell makes no
+    such call."""
+    new = set_call_keyword(source, "generate", "cache_implementation", "quantized")
+    return set_call_keyword(new, "generate", "cache_config", Code(config)) if new else None
+
+
 def split_generate_source(source: str, chunk: int) -> str | None:
     """The cell with each ``X.generate(...)`` call run over slices of ``chunk`` prompts one after another
     (``generate_in_chunks(X.generate, chunk, ...)``, defined at the top of the cell). None where the cell

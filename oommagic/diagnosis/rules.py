@@ -523,21 +523,29 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     remedies = []
     # The prompts outweigh what is generated: their prefill (every prompt at once) is the peak, and fewer
     # new tokens shorten only the smaller part of the cache.
-    prefill = bool(ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens)
+    # The error came in transformers' `_prefill`: no new token existed yet, nor any cache beyond the prompts'.
+    in_prefill = any(f.function == "_prefill" and not f.in_cell for f in ctx.frames)
+    prefill = in_prefill or bool(
+        ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens
+    )
     if ctx.prompt_batch and ctx.prompt_batch >= 2:
         chunk = ctx.prompt_batch // 2
         saving = act * (ctx.prompt_batch - chunk) // ctx.prompt_batch if act else None
         remedies.append(fix.split_generate(ctx, fig, ctx.prompt_batch, chunk, saving))
-    if ctx.device.startswith("cuda") and _version_at_least(ctx.transformers_version, (4, 45)):
-        cache = (
-            act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
-        )
+    cache = act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
+    if (
+        not in_prefill
+        and ctx.device.startswith("cuda")
+        and _version_at_least(ctx.transformers_version, (4, 45))
+    ):
         remedies.append(fix.kv_cache_offload(ctx, fig, cache))
+    if not in_prefill and ctx.kv_backends is not None:
+        remedies.append(fix.kv_cache_quantized(ctx, fig, act))
     if ctx.max_new_tokens and ctx.max_new_tokens >= 2 and not prefill:
         old, new = ctx.max_new_tokens, ctx.max_new_tokens // 2
         saving = act * (old - new) // (prompt + old) if act else None
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
-    elif ctx.max_new_tokens is None:
+    elif ctx.max_new_tokens is None and not in_prefill:
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", None, 256, None))
     if ctx.num_beams and ctx.num_beams > 1:
         saving = act * (ctx.num_beams - 1) // ctx.num_beams if act else None
@@ -554,7 +562,21 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         cut = prompt - TRUNCATE_TO  # unknown prompts (0): no saving to promise
         saving = act * cut // (prompt + (ctx.max_new_tokens or 0)) if act and cut > 0 else None
         remedies.append(fix.truncate(ctx, fig, saving, TRUNCATE_TO))
-    if prefill:
+    if in_prefill:
+        prompts = f"all {ctx.prompt_batch} prompts" if ctx.prompt_batch else "the prompts"
+        tokens = f" of {ctx.prompt_tokens} tokens" if ctx.prompt_tokens else ""
+        several = bool(ctx.prompt_batch and ctx.prompt_batch >= 2)
+        knob = (
+            "generating fewer prompts at a time does, as do shorter prompts"
+            if several
+            else "shorter prompts do"
+        )
+        note += (
+            f" The error came in the prefill (`_prefill` in the traceback), where {prompts}{tokens} go "
+            "through the model at once before any new token exists: fewer new tokens or a smaller KV cache "
+            f"cannot make it fit; {knob}."
+        )
+    elif prefill:
         note += (
             f" The {ctx.prompt_tokens}-token prompts are longer than the {ctx.max_new_tokens} new tokens: "
             f"the prefill of all {ctx.prompt_batch or 'the'} prompts at once is the peak, so fewer new "

@@ -28,6 +28,7 @@ SOURCE_ONLY = frozenset(
         "eval_batch",
         "split_generate",
         "logits_to_keep",
+        "quantized_cache",
     }
 )
 
