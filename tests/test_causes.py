@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import oommagic
+from oommagic.diagnosis.rewrite import TOO_LONG, TRUNCATED_COLLATE
 from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
 from oommagic.sizes import format_bytes
+from oommagic.view.widget import offered
 
 MiB = 1024**2
 
@@ -657,7 +659,10 @@ for texts in batches7:
 """
 
 
-def test_one_batch_of_long_samples_is_truncated_first(shell, run_cell):
+@pytest.fixture
+def long7(shell, run_cell):
+    """Six batches of 64-character texts, then one of 2,048: a tokenizer that pads to the longest (and
+    truncates when asked), an embedding and a linear layer trained with SGD."""
     run_cell(
         "%%gpumem --quiet\n"
         "def tokenizer(texts, truncation=False, max_length=None):\n"
@@ -670,21 +675,106 @@ def test_one_batch_of_long_samples_is_truncated_first(shell, run_cell):
         'batches7 = [["a" * 64] * 8] * 6 + [["a" * 2048] * 8]\n'
         "lin7(emb7(torch.ones(1, 1, dtype=torch.long))).sum().backward()\nopt7.zero_grad()\n"
     )
+    yield
+    for name in (
+        "tokenizer",
+        "emb7",
+        "lin7",
+        "opt7",
+        "batches7",
+        "texts",
+        "ids",
+        "loss",
+        "too_long",
+        "steps7",
+    ):
+        shell.user_ns.pop(name, None)
+
+
+def test_one_batch_of_long_samples_is_left_out_or_truncated_before_anything_else(shell, run_cell, long7):
     run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 60 --quiet\n{LONG_BATCH}")
     run = last_run()
     assert run.outcome == "oom" and len(run.timeline.steps) == 6
     assert run.findings[0].key == "long_samples"
     long = run.findings[0]
     assert "of the 5 completed steps" in long.evidence and "plot_lengths" in long.evidence
+    assert "The batch it failed on, `ids`, is 8 × 2,048 tokens." in long.evidence
     cut = remedy(long, "truncate")
     assert cut.new_source == LONG_BATCH.replace(
         "tokenizer(texts)", "tokenizer(texts, truncation=True, max_length=512)"
     )
-    first = run.plan.entries[0]
-    assert first.kind == "truncate" and first.verdict == "fits", [e.line() for e in run.plan.entries]
+    # Both change only the outlier batch: they come first, measured to fit, the faster one first.
+    first_two = {e.kind: e.verdict for e in run.plan.entries[:2]}
+    assert first_two == {"skip_long": "fits", "truncate": "fits"}, [e.line() for e in run.plan.entries]
     retried(shell, run, cut)
-    for name in ("tokenizer", "emb7", "lin7", "opt7", "batches7", "texts", "ids", "loss"):
+
+
+def test_one_batch_of_long_samples_is_skipped_by_the_loop(shell, run_cell, long7):
+    cell = "steps7 = 0\n" + LONG_BATCH + "    steps7 += 1\n"
+    run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    long = finding(run, "long_samples")
+    skip = long.remedies[0]
+    assert skip.kind == "skip_long" and skip.title == "Skip batches longer than 512 tokens"
+    assert offered(run)[0].kind == "skip_long"  # the report's first button
+    assert skip.new_source == TOO_LONG + "\n\n" + cell.replace(
+        "    ids = tokenizer(texts)\n",
+        "    ids = tokenizer(texts)\n    if too_long(ids, 512):\n        continue\n",
+    )
+    new = retried(shell, run, skip)
+    assert shell.user_ns["steps7"] == 6  # every batch but the long one trained
+    # Undone, the cell runs as written again: the long batch runs out again.
+    undone = session_for(shell).remove(new, 0)
+    assert undone.source == cell and undone.outcome == "oom"
+
+
+COLLATED = """\
+loader7 = DataLoader(samples7, batch_size=8, collate_fn=pad7)
+for batch in loader7:
+    loss = lin7(emb7(batch["input_ids"])).pow(2).mean()
+    loss.backward()
+    opt7.step()
+    opt7.zero_grad()
+"""
+
+
+def test_long_samples_collated_without_a_tokenizer_call_are_cut_before_padding(shell, run_cell, long7):
+    run_cell(
+        "from torch.utils.data import DataLoader\n"
+        "samples7 = [{'input_ids': [1] * 64}] * 48 + [{'input_ids': [1] * 2048}] * 8\n"
+        "def pad7(features):\n"
+        "    n = max(len(f['input_ids']) for f in features)\n"
+        "    rows = [f['input_ids'] + [0] * (n - len(f['input_ids'])) for f in features]\n"
+        "    return {'input_ids': torch.tensor(rows)}\n"
+    )
+    run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 0 --quiet\n{COLLATED}")
+    run = last_run()
+    long = finding(run, "long_samples")
+    assert "The batch it failed on, `batch`, is 8 × 2,048 tokens." in long.evidence
+    cut = remedy(long, "truncate")
+    assert cut.automatic and "a collator pads, it never cuts" in cut.explanation
+    assert cut.new_source == TRUNCATED_COLLATE + "\n\n" + COLLATED.replace(
+        "collate_fn=pad7)", "collate_fn=truncated(pad7, 512))"
+    )
+    retried(shell, run, cut)
+    for name in ("samples7", "pad7", "loader7", "batch", "truncated", "DataLoader"):
         shell.user_ns.pop(name, None)
+
+
+def test_long_samples_without_a_loop_binding_the_batch_are_not_offered_a_skip():
+    from oommagic.diagnosis.findings import DiagnosisContext
+    from oommagic.diagnosis.rules import diagnose
+    from oommagic.timeline import Timeline
+
+    outlier = Timeline(
+        t=tuple(range(12)),
+        allocated=tuple([MiB, 10 * MiB] * 5 + [MiB, 40 * MiB]),
+        reserved=tuple([MiB, 10 * MiB] * 5 + [MiB, 40 * MiB]),
+        steps=(1.5, 3.5, 5.5, 7.5, 9.5),
+    )
+    ctx = DiagnosisContext(source="trainer.train()\n", timeline=outlier, limit=32 * MiB, trains=True)
+    long = finding_of(diagnose(None, ctx), "long_samples")
+    assert [r.kind for r in long.remedies] == ["truncate"] and "The batch it failed on" not in long.evidence
 
 
 def test_long_samples_quiet_when_the_steps_are_even(shell, run_cell):

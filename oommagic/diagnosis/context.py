@@ -85,6 +85,7 @@ class NamespaceScan:
     computation: Computation | None = None
     eval_hook: tuple[str, str, str] | None = None
     kv_backends: tuple[str, ...] | None = None
+    batch_shape: tuple[str, int, int] | None = None
 
 
 def scan_namespace(
@@ -131,7 +132,24 @@ def scan_namespace(
             computation=_computation(error),
             eval_hook=lightning_hook(error, namespace, source),
             kv_backends=quantized_cache_backends() if generation else None,
+            batch_shape=batch_shape(source, [*scopes, namespace]),
         )
+
+
+def batch_shape(source: str, scopes: list[Mapping]) -> tuple[str, int, int] | None:
+    """(name, samples, tokens) of the batch a training loop of the cell held when it failed: the tensor of
+    token ids (or the mapping with ``input_ids``) bound to one of ``cell.loop_batches``, found in the first
+    of ``scopes`` that has it. None where no such 2-d tensor is there."""
+    import torch
+
+    for name in cell.loop_batches(source):
+        value = next((sc[name] for sc in scopes if name in sc), None)
+        if value is not None and not issubclass(type(value), torch.Tensor):
+            data = value if type(value) is dict else instance_dict(value).get("data")  # BatchEncoding
+            value = dict.get(data, "input_ids") if type(data) is dict else None
+        if issubclass(type(value), torch.Tensor) and value.dim() == 2:
+            return name, int(value.shape[0]), int(value.shape[1])
+    return None
 
 
 def _computation(error: BaseException | None) -> Computation | None:
@@ -405,6 +423,7 @@ def make_context(
         eval_batch=_eval_batch(source, line, scan.eval_hook) if evaluating else None,
         eval_hook=scan.eval_hook if evaluating else None,
         kv_backends=scan.kv_backends,
+        batch_shape=scan.batch_shape,
         pins=scan.pins,
         loading=scan.loading,
         installed=scan.installed,

@@ -61,6 +61,7 @@ KINDS = frozenset(
         "shutdown_kernel",
         "logits_to_keep",
         "quantized_cache",
+        "skip_long",
     }
 )
 
@@ -271,6 +272,8 @@ class DiagnosisContext:
     eval_hook: tuple[str, str, str] | None = None
     # backends of transformers' quantized KV cache usable here, best first (None: no quantized cache)
     kv_backends: tuple[str, ...] | None = None
+    # (name, samples, tokens) of the batch a training loop of the cell held when it failed
+    batch_shape: tuple[str, int, int] | None = None
 
     @property
     def failing_line(self) -> int | None:

@@ -25,7 +25,9 @@ from .rewrite import (
     rewrite_batch,
     set_call_keyword,
     set_literal,
+    skip_long_source,
     split_generate_source,
+    truncate_source,
 )
 from .source import (
     BatchGuess,
@@ -35,6 +37,7 @@ from .source import (
     eval_batch_literal,
     kept_sites,
     last_logits_calls,
+    loop_batches,
     names_read,
     tokenizer_calls,
 )
@@ -394,12 +397,9 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
             source = set_call_keyword(source, func, p["keyword"], p["new"]) or source
         return source
     if remedy.kind == "truncate":
-        for func in tokenizer_calls(source):
-            cut = set_call_keyword(source, func, "truncation", True)
-            source = (
-                cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)
-            ) or source
-        return source
+        return truncate_source(source, p["max_length"]) or source
+    if remedy.kind == "skip_long":
+        return skip_long_source(source, p["name"], p["max_length"]) or source
     if remedy.kind == "keep_numbers":
         return keep_numbers_source(source) or source
     if remedy.kind == "no_grad":
@@ -898,23 +898,55 @@ def kv_cache_quantized(ctx: DiagnosisContext, fig: Figures, activations: int | N
 def truncate(
     ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512, outlier: bool = False
 ) -> Remedy:
-    """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays)."""
-    source = ctx.source
-    for func in tokenizer_calls(ctx.source):
-        cut = set_call_keyword(source, func, "truncation", True)
-        source = (cut and set_call_keyword(cut, func, "max_length", max_length, replace=False)) or source
-    new_source = source if source != ctx.source else None
+    """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays), or
+    where it has none, its collators wrapped to cut the samples before they are padded."""
+    new_source = truncate_source(ctx.source, max_length)
+    collators = new_source is not None and not tokenizer_calls(ctx.source)
+    why = f"Inputs longer than {max_length} tokens are cut to that length: pick the length your task needs."
+    if collators:
+        why += (
+            " The cell tokenizes nowhere, so its collator is wrapped to cut each sample before padding (a "
+            "collator pads, it never cuts: `DataCollatorWithPadding(max_length=...)` only sets the padded "
+            "length); better still, tokenize with `truncation=True` where the dataset is made."
+        )
     return _made(
         fig,
         "truncate",
         f"Truncate inputs to {max_length} tokens",
-        f"Inputs longer than {max_length} tokens are cut to that length: pick the length your task needs.",
+        why,
         saving,
         code=changed_lines(ctx.source, new_source)
         if new_source
         else f"tokenizer(texts, truncation=True, max_length={max_length})",
         automatic=new_source is not None,
         params={"max_length": max_length, "outlier": outlier},
+        new_source=new_source,
+    )
+
+
+def skip_long(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int) -> Remedy | None:
+    """The cell's training loop skipping the batches longer than ``max_length`` tokens (where the loop
+    binds its batch to a name); None where it has no such loop."""
+    names = [ctx.batch_shape[0]] if ctx.batch_shape is not None else loop_batches(ctx.source)
+    name, new_source = next(
+        ((n, new) for n in names if (new := skip_long_source(ctx.source, n, max_length))), (None, None)
+    )
+    if new_source is None:
+        return None
+    why = (
+        f"Batches whose samples are longer than {max_length} tokens are left out of training, whole: the "
+        "others train as before, on what they held. Truncating instead keeps the long samples' first "
+        f"{max_length} tokens."
+    )
+    return _made(
+        fig,
+        "skip_long",
+        f"Skip batches longer than {max_length} tokens",
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source),
+        automatic=True,
+        params={"name": name, "max_length": max_length, "outlier": True},
         new_source=new_source,
     )
 

@@ -532,3 +532,95 @@ def pass_hook_loader(source: str, hook: str, hook_source: str, batch_size: int) 
             expr = " ".join(line.strip() for line in expr.splitlines())
         edits.append(_insert_keyword(src, node, f"{keyword}={expr}"))
     return _checked(_apply(source, edits)) if edits else None
+
+
+# --- long samples -------------------------------------------------------------------------------------
+
+TRUNCATED_COLLATE = '''\
+def truncated(collate, max_length):
+    """`collate` with each sample's token lists cut to `max_length` first (a collator pads; it never cuts)."""
+    keys = ("input_ids", "attention_mask", "token_type_ids", "labels", "special_tokens_mask")
+
+    def collate_cut(features):
+        cut = [{k: v[:max_length] if k in keys else v for k, v in f.items()} if hasattr(f, "items") else f
+               for f in features]
+        return collate(cut)
+
+    return collate_cut
+'''
+
+TOO_LONG = '''\
+def too_long(batch, max_length):
+    """Whether a batch of token ids (a tensor, or a mapping with input_ids) is longer than `max_length`."""
+    ids = batch["input_ids"] if hasattr(batch, "keys") else batch
+    return ids.shape[-1] > max_length
+'''
+
+# Where a collator goes: a DataLoader's `collate_fn=`, a transformers Trainer's `data_collator=`.
+_COLLATOR_KEYWORDS = ("collate_fn", "data_collator")
+
+
+def truncate_source(source: str, max_length: int) -> str | None:
+    """The cell with its inputs cut to ``max_length`` tokens: ``truncation=True, max_length=N`` in its
+    tokenizer calls (an existing max_length stays); where it has none, each collator it passes
+    (``collate_fn=``, ``data_collator=``) wrapped to cut the samples before padding them. None where the
+    cell has neither."""
+    from .source import tokenizer_calls
+
+    new = source
+    for func in tokenizer_calls(source):
+        cut = set_call_keyword(new, func, "truncation", True)
+        new = (cut and set_call_keyword(cut, func, "max_length", max_length, replace=False)) or new
+    if new != source:
+        return new
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    edits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg in _COLLATOR_KEYWORDS and not _calls(kw.value, "truncated"):
+                    edits.append((*src.span(kw.value), f"truncated({src.segment(kw.value)}, {max_length})"))
+    if not edits:
+        return None
+    return _checked(TRUNCATED_COLLATE + "\n\n" + _apply(source, edits))
+
+
+def _calls(node: ast.expr, name: str) -> bool:
+    return isinstance(node, ast.Call) and dotted_name(node.func) == name
+
+
+def skip_long_source(source: str, name: str, max_length: int) -> str | None:
+    """The cell with each training loop skipping the batches longer than ``max_length`` tokens: ``if
+    too_long(name, N): continue`` right after the loop binds ``name`` (its target, or an assignment in its
+    body), with ``too_long`` defined at the top of the cell. None where no training loop binds ``name``."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and _trains_in(n)]
+    edits = []
+    for loop in loops:
+        bound = next(
+            (
+                s
+                for s in loop.body
+                if isinstance(s, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)
+            ),
+            None,
+        )
+        first = loop.body[0]
+        indent = src.lines[first.lineno - 1][: first.col_offset]
+        guard = f"{indent}if too_long({name}, {max_length}):\n{indent}    continue\n"
+        if bound is not None:
+            at = src.starts[bound.end_lineno] if bound.end_lineno < len(src.lines) else len(source)
+            edits.append((at, at, guard))
+        elif isinstance(loop.target, ast.Name) and loop.target.id == name:
+            at = src.starts[first.lineno - 1]
+            edits.append((at, at, guard))
+    if not edits:
+        return None
+    return _checked(TOO_LONG + "\n\n" + _apply(source, edits))

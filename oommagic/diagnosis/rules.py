@@ -738,12 +738,29 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
         return None
     evidence = (
         f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
-        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples. "
-        "`oommagic.lengths.plot_lengths(texts_or_token_ids)` draws the lengths with the cut-off and the "
+        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples."
+    )
+    if ctx.batch_shape is not None:
+        name, samples, tokens = ctx.batch_shape
+        evidence += f" The batch it failed on, `{name}`, is {samples} × {tokens:,} tokens."
+    evidence += (
+        " `oommagic.lengths.plot_lengths(texts_or_token_ids)` draws the lengths with the cut-off and the "
         "outliers marked; `summarize_lengths` says what truncating there saves."
     )
-    remedy = fix.truncate(ctx, fig, fig.demand - median, outlier=True)
-    return _finding("long_samples", "An unusually long batch", evidence, [remedy], fig)
+    cut = _length_cut(ctx)
+    # Leaving the long batches out, or cutting them, saves what the failing step needed beyond the others.
+    saving = fig.demand - median
+    remedies = [fix.skip_long(ctx, fig, saving, cut), fix.truncate(ctx, fig, saving, cut, outlier=True)]
+    return _finding("long_samples", "An unusually long batch", evidence, remedies, fig)
+
+
+def _length_cut(ctx: DiagnosisContext) -> int:
+    """The length long samples are cut to or left out above: ``TRUNCATE_TO``, or where the failing batch
+    was no longer than that, half its length (in multiples of 64 tokens)."""
+    tokens = ctx.batch_shape[2] if ctx.batch_shape is not None else None
+    if tokens is None or tokens > TRUNCATE_TO:
+        return TRUNCATE_TO
+    return max(tokens // 2 // 64 * 64, 64) if tokens >= 128 else max(tokens // 2, 1)
 
 
 def _reserved_churn(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:

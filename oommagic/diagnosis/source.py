@@ -274,6 +274,33 @@ def tokenizer_calls(source: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def loop_batches(source: str) -> list[str]:
+    """The names a training loop of the cell (a ``for`` whose body calls ``.backward()``) binds its batch
+    to: those it assigns a tokenizer call's result (``ids = tokenizer(texts)``), then its target (``for
+    batch in loader``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    tokenizers = set(tokenizer_calls(source))
+    found: list[str] = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For) or not any(
+            isinstance(n, ast.Attribute) and n.attr == "backward" for n in ast.walk(loop)
+        ):
+            continue
+        for stmt in loop.body:
+            called = (
+                dotted_name(stmt.value.func)
+                if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
+                else ""
+            )
+            if called in tokenizers:
+                found.extend(t.id for t in stmt.targets if isinstance(t, ast.Name))
+        if isinstance(loop.target, ast.Name):
+            found.append(loop.target.id)
+    return list(dict.fromkeys(found))
+
+
 def names_read(source: str) -> set[str]:
     """Names whose value from before the cell the cell reads: read on or before the line that first
     assigns them (a name the cell builds afresh is not among them). Every identifier if the cell does not

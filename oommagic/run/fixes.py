@@ -29,6 +29,7 @@ SOURCE_ONLY = frozenset(
         "split_generate",
         "logits_to_keep",
         "quantized_cache",
+        "skip_long",
     }
 )
 
