@@ -308,6 +308,27 @@ def test_a_lightning_validation_failure_halves_the_val_dataloader_of_an_earlier_
     assert undone.source == cell and undone.outcome == "oom"
 
 
+def test_a_loader_of_an_earlier_cell_passed_to_validate_is_passed_again_with_half_the_batch(
+    shell, run_cell, lightning5
+):
+    run_cell(
+        LIGHTNING_MODULE.replace("TRAIN_BATCH", "8")
+        + "lit5 = Lit5()\nval5 = DataLoader(ds5, batch_size=1024)\n"
+    )
+    cell = QUIET_TRAINER + "trainer5.validate(lit5, dataloaders=val5)\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    fix = remedy(finding(run, "activations"), "eval_batch")
+    assert fix.title == "Evaluation batch 1024 → 512" and "(batch_size of val5)" in fix.explanation
+    assert fix.new_source == "import torch\n" + cell.replace(
+        "dataloaders=val5)",
+        "dataloaders=torch.utils.data.DataLoader(val5.dataset, batch_size=512, collate_fn=val5.collate_fn, "
+        "num_workers=val5.num_workers))",
+    )
+    retried(shell, run, fix)
+    shell.user_ns.pop("val5", None)
+
+
 def test_a_lightning_fit_failing_in_its_validation_changes_the_val_dataloader_in_the_cell(
     shell, run_cell, lightning5
 ):

@@ -26,7 +26,7 @@ from typing import Any
 from ..oom import OOMReport
 from ..timeline import Recording
 from . import source as cell
-from .findings import DiagnosisContext, Frame, Kept, Leftover, Loading, ModelInfo, Pin
+from .findings import DiagnosisContext, EvalLoader, Frame, Kept, Leftover, Loading, ModelInfo, Pin
 from .holdings import (
     IPYTHON_NAME,
     SKIPPED_TYPES,
@@ -83,7 +83,7 @@ class NamespaceScan:
     installed: tuple[str, ...] = ()
     transformers_version: str | None = None
     computation: Computation | None = None
-    eval_hook: tuple[str, str, str] | None = None
+    eval_loader: EvalLoader | None = None
     kv_backends: tuple[str, ...] | None = None
     batch_shape: tuple[str, int, int] | None = None
 
@@ -130,7 +130,7 @@ def scan_namespace(
             installed=installed(("bitsandbytes", "accelerate")),
             transformers_version=_version("transformers"),
             computation=_computation(error),
-            eval_hook=lightning_hook(error, namespace, source),
+            eval_loader=lightning_loader(error, namespace, source),
             kv_backends=quantized_cache_backends() if generation else None,
             batch_shape=batch_shape(source, [*scopes, namespace]),
         )
@@ -420,8 +420,8 @@ def make_context(
         kept=scan.kept,
         grad_enabled=False if _library_evaluates(frames) else scan.grad_enabled,
         evaluating=evaluating,
-        eval_batch=_eval_batch(source, line, scan.eval_hook) if evaluating else None,
-        eval_hook=scan.eval_hook if evaluating else None,
+        eval_batch=_eval_batch(source, line, scan.eval_loader) if evaluating else None,
+        eval_loader=scan.eval_loader if evaluating else None,
         kv_backends=scan.kv_backends,
         batch_shape=scan.batch_shape,
         pins=scan.pins,
@@ -463,19 +463,21 @@ def _library_evaluates(frames: tuple[Frame, ...]) -> bool:
     )
 
 
-def _eval_batch(source: str, line: int | None, hook: tuple[str, str, str] | None) -> EvalBatch | None:
+def _eval_batch(source: str, line: int | None, loader: EvalLoader | None) -> EvalBatch | None:
     """The batch size of the evaluation that failed: set in the cell (``cell.eval_batch``), or for a
-    Lightning evaluation, the loader passed to the trainer's call or returned by the hook
-    (``val_dataloader``) of a class this cell or an earlier one defines."""
+    Lightning evaluation, that of the loader passed to the trainer's call (made in this cell or an earlier
+    one) or else returned by the hook (``val_dataloader``) of a class this cell or an earlier one defines."""
     found = cell.eval_batch(source, line)
-    if found is not None or hook is None:
+    if found is not None or loader is None:
         return found
-    name, owner, hook_source = hook
-    found = cell.lightning_eval_batch(source, name)
-    if found is None and hook_source:
-        earlier = cell.hook_batch(hook_source, name)
-        found = EvalBatch(earlier.name, earlier.value, f"{owner}.{name}") if earlier else None
-    return found
+    found = cell.lightning_eval_batch(source, loader.hook)
+    if found is not None:
+        return found
+    if loader.keyword is not None:  # the cell passes the loaders: the hooks are not read
+        size = loader.batch_size
+        return EvalBatch("batch_size", size, loader.variable) if size and loader.variable else None
+    earlier = cell.hook_batch(loader.source, loader.hook) if loader.source else None
+    return EvalBatch(earlier.name, earlier.value, f"{loader.owner}.{loader.hook}") if earlier else None
 
 
 # Lightning's step hooks and the loader hooks that feed them.
@@ -486,12 +488,11 @@ _STEP_HOOKS = {
 }
 
 
-def lightning_hook(
-    error: BaseException | None, namespace: Mapping, source: str
-) -> tuple[str, str, str] | None:
-    """(loader hook, its class, the hook's source where an earlier cell defined it, else "") of the Lightning
-    evaluation a failure came in: the ``validation_step`` in the traceback names ``val_dataloader``, read
-    from the DataModule the cell passes (``datamodule=dm``) or else the LightningModule. None elsewhere."""
+def lightning_loader(error: BaseException | None, namespace: Mapping, source: str) -> EvalLoader | None:
+    """Where the Lightning evaluation a failure came in got its loader: the ``validation_step`` in the
+    traceback names ``val_dataloader``; a loader variable the cell passes for it (its batch size read from
+    its instance dict), else the hook of the DataModule the cell passes (``datamodule=dm``) or of the
+    LightningModule. None outside a Lightning evaluation."""
     import inspect
     import textwrap
 
@@ -502,6 +503,13 @@ def lightning_hook(
         tb = tb.tb_next
         if owner is None or not any(hook in vars(c) for c in type(owner).__mro__[:-1]):
             continue
+        passed = cell.passed_loader(source, hook)
+        if passed is not None:
+            keyword, variable = passed
+            size = instance_dict(namespace.get(variable)).get("batch_size") if variable else None
+            if type(size) is int and size > 0:
+                return EvalLoader(hook, variable=variable, keyword=keyword, batch_size=size)
+            return EvalLoader(hook, variable=variable, keyword=keyword)
         datamodule = cell.keyword_name(source, "datamodule")
         held = namespace.get(datamodule) if datamodule else None
         if held is not None and any(hook in vars(c) for c in type(held).__mro__[:-1]):
@@ -511,7 +519,7 @@ def lightning_hook(
         if isinstance(func, types.FunctionType) and func.__module__ == "__main__":
             with contextlib.suppress(Exception):  # no source (exec'd code): the cell's own reading only
                 hook_source = textwrap.dedent(inspect.getsource(func))
-        return hook, type(owner).__name__, hook_source
+        return EvalLoader(hook, type(owner).__name__, hook_source)
     return None
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "KINDS",
     "TRAINING_STATE",
     "DiagnosisContext",
+    "EvalLoader",
     "Figures",
     "Finding",
     "Frame",
@@ -198,6 +199,22 @@ class Request:
 
 
 @dataclass(frozen=True)
+class EvalLoader:
+    """Where a Lightning evaluation got its loader, read outside the cell: ``hook`` is the method that makes
+    it (``val_dataloader``), ``owner`` the class whose hook it is (``source``: the hook's code, where an
+    earlier cell defined it); or, where the cell passes a loader made in an earlier cell
+    (``trainer.validate(model, dataloaders=val_loader)``), ``variable`` is its name, ``keyword`` the
+    keyword it is passed by and ``batch_size`` its batch size."""
+
+    hook: str
+    owner: str = ""
+    source: str = ""
+    variable: str | None = None
+    keyword: str | None = None
+    batch_size: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
 
@@ -268,8 +285,7 @@ class DiagnosisContext:
     installed: tuple[str, ...] = ()  # of bitsandbytes, accelerate: those importable in this kernel
     transformers_version: str | None = None
     request: Request | None = None  # the one allocation that failed, where the failing frames name it
-    # (loader hook, its class, its source if an earlier cell defined it) of a Lightning evaluation that failed
-    eval_hook: tuple[str, str, str] | None = None
+    eval_loader: EvalLoader | None = None  # where a Lightning evaluation that failed got its loader
     # backends of transformers' quantized KV cache usable here, best first (None: no quantized cache)
     kv_backends: tuple[str, ...] | None = None
     # (name, samples, tokens) of the batch a training loop of the cell held when it failed

@@ -7,10 +7,11 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from ..sizes import format_bytes as fmt
-from .findings import DiagnosisContext, Figures, Remedy
+from .findings import DiagnosisContext, EvalLoader, Figures, Remedy
 from .rewrite import (
     accumulate_loops,
     accumulates,
@@ -22,6 +23,7 @@ from .rewrite import (
     no_grad_source,
     pass_hook_loader,
     quantized_cache_source,
+    rebuild_loader,
     rewrite_batch,
     set_call_keyword,
     set_literal,
@@ -425,8 +427,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
     if remedy.kind == "logits_to_keep":
         return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
-    if remedy.kind == "eval_batch" and p.get("hook"):
-        return pass_hook_loader(source, p["hook"], p["hook_source"], p["new"]) or source
+    if remedy.kind == "eval_batch" and p.get("loader"):
+        return loader_source(source, EvalLoader(**p["loader"]), p["new"]) or source
     if remedy.kind == "eval_batch":
         node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
         return (set_literal(source, node, p["new"]) if node is not None else None) or source
@@ -609,22 +611,24 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
 
 
 def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) -> Remedy:
-    """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is."""
+    """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is. Where the loader is
+    made outside the cell (a Lightning hook or loader variable of an earlier cell), the cell passes the
+    trainer one with the new batch size."""
     node = eval_batch_literal(ctx.source, batch)
     new_source = set_literal(ctx.source, node, new) if node is not None else None
-    hook = _earlier_hook(ctx, batch)
-    if hook is not None:
-        new_source = pass_hook_loader(ctx.source, hook[0], hook[2], new)
+    outside = _outside_loader(ctx, batch)
+    if outside is not None:
+        new_source = loader_source(ctx.source, outside, new)
     saving = fig.activations * (batch.value - new) // batch.value if fig.activations else None
     why = (
         f"The failure came in an evaluation, whose memory scales with its own batch ({batch.name} of "
         f"{batch.owner}); the training batch is left as it is. Evaluation results do not depend on its "
         "batch size."
     )
-    if hook is not None:
+    if outside is not None:
         why += (
-            f" {batch.owner} is defined in an earlier cell: this cell passes the trainer the loader it "
-            f"returns, with batch_size={new} (or change it there and run that cell again)."
+            f" {batch.owner} is made in an earlier cell: this cell passes the trainer a loader like it with "
+            f"batch_size={new} (or change it there and run that cell again)."
         )
     if batch.name == "per_device_eval_batch_size":
         why += (
@@ -644,18 +648,29 @@ def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) 
             "owner": batch.owner,
             "old": batch.value,
             "new": new,
-            **({"hook": hook[0], "hook_source": hook[2]} if hook is not None else {}),
+            **({"loader": asdict(outside)} if outside is not None else {}),
         },
         new_source=new_source,
     )
 
 
-def _earlier_hook(ctx: DiagnosisContext, batch: EvalBatch) -> tuple[str, str, str] | None:
-    """The Lightning loader hook defined in an earlier cell whose batch ``batch`` is, if it is one."""
-    hook = ctx.eval_hook
-    if hook is None or not hook[2] or batch.owner != f"{hook[1]}.{hook[0]}":
+def _outside_loader(ctx: DiagnosisContext, batch: EvalBatch) -> EvalLoader | None:
+    """The Lightning loader made outside the cell whose batch ``batch`` is, if it is one."""
+    loader = ctx.eval_loader
+    if loader is None:
         return None
-    return hook
+    if loader.variable is not None and batch.owner == loader.variable:
+        return loader
+    if loader.source and batch.owner == f"{loader.owner}.{loader.hook}":
+        return loader
+    return None
+
+
+def loader_source(source: str, loader: EvalLoader, batch_size: int) -> str | None:
+    """The cell passing the trainer the loader of ``loader`` (made outside the cell) with ``batch_size``."""
+    if loader.variable is not None and loader.keyword is not None:
+        return rebuild_loader(source, loader.keyword, loader.variable, batch_size)
+    return pass_hook_loader(source, loader.hook, loader.source, batch_size)
 
 
 def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:

@@ -467,6 +467,32 @@ def split_generate_source(source: str, chunk: int) -> str | None:
     return _checked(CHUNKED_GENERATE + "\n\n" + body)
 
 
+def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) -> str | None:
+    """The cell passing, where it passes the loader ``variable`` by ``keyword``, a new one over the same
+    data with ``batch_size`` (``dataloaders=val_loader`` → ``dataloaders=torch.utils.data.DataLoader(
+    val_loader.dataset, batch_size=128, collate_fn=val_loader.collate_fn, num_workers=val_loader.
+    num_workers)``). None where the cell does not pass it so."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    new = (
+        f"torch.utils.data.DataLoader({variable}.dataset, batch_size={batch_size}, "
+        f"collate_fn={variable}.collate_fn, num_workers={variable}.num_workers)"
+    )
+    edits = [
+        (*src.span(k.value), new)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for k in node.keywords
+        if k.arg == keyword and isinstance(k.value, ast.Name) and k.value.id == variable
+    ]
+    if not edits:
+        return None
+    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    return _checked(("" if named else "import torch\n") + _apply(source, edits))
+
+
 def pass_hook_loader(source: str, hook: str, hook_source: str, batch_size: int) -> str | None:
     """The cell with the loader that ``hook`` (a LightningModule's ``val_dataloader``, defined in an
     earlier cell: ``hook_source``) returns, its ``batch_size=`` set to ``batch_size``, passed to the

@@ -726,6 +726,21 @@ _LIGHTNING_STAGES = {
 }
 
 
+def passed_loader(source: str, hook: str) -> tuple[str, str | None] | None:
+    """(keyword, the name passed, or None for an expression) where the cell hands the trainer the loaders
+    ``hook`` would make (``trainer.validate(model, dataloaders=val_loader)``); None where it passes none."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            for method, keyword in _LIGHTNING_STAGES.get(hook, ()):
+                passed = next((k.value for k in node.keywords if k.arg == keyword), None)
+                if node.func.attr == method and passed is not None:
+                    return keyword, passed.id if isinstance(passed, ast.Name) else None
+    return None
+
+
 def lightning_eval_batch(source: str, hook: str) -> EvalBatch | None:
     """The literal ``batch_size=`` of the loader a Lightning evaluation reads in this cell: passed to the
     trainer's call (``trainer.validate(model, dataloaders=DataLoader(ds, batch_size=256))``, or a loader
@@ -741,9 +756,10 @@ def lightning_eval_batch(source: str, hook: str) -> EvalBatch | None:
             passed = next((k.value for k in node.keywords if k.arg == keyword), None)
             if node.func.attr == method and passed is not None:
                 found = _loader_batch(tree, passed)
-                if found is not None:
-                    owner = found.owner if found.owner != "DataLoader" else keyword
-                    return EvalBatch(found.name, found.value, owner)
+                if found is None:
+                    return None  # passed, but not made here: the hook is not what the trainer reads
+                owner = found.owner if found.owner != "DataLoader" else keyword
+                return EvalBatch(found.name, found.value, owner)
     return hook_batch(source, hook)
 
 
