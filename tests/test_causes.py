@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import oommagic
+from oommagic.diagnosis.rewrite import TOO_LONG, TRUNCATED_COLLATE
 from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
+from oommagic.sizes import format_bytes
+from oommagic.view.widget import offered
 
 MiB = 1024**2
 
@@ -43,8 +46,12 @@ def limit_above(extra: int) -> str:
 
 
 def finding(run, key: str):
-    found = {f.key: f for f in run.findings}
-    assert key in found, [(f.key, f.evidence) for f in run.findings]
+    return finding_of(run.findings, key)
+
+
+def finding_of(findings, key: str):
+    found = {f.key: f for f in findings}
+    assert key in found, [(f.key, f.evidence) for f in findings]
     return found[key]
 
 
@@ -233,6 +240,118 @@ def test_an_evaluation_failure_halves_the_evaluation_batch_not_the_training_one(
         shell.user_ns.pop(name, None)
 
 
+LIGHTNING_MODULE = """\
+class Lit5(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(256, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 4))
+
+    def training_step(self, batch, i):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def validation_step(self, batch, i):
+        (x,) = batch
+        self.log("val_loss", self.net(x).pow(2).mean())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        return DataLoader(ds5, batch_size=TRAIN_BATCH)
+
+    def val_dataloader(self):
+        return DataLoader(ds5, batch_size=1024)
+"""
+QUIET_TRAINER = (
+    "trainer5 = pl.Trainer(max_epochs=1, limit_train_batches=2, limit_val_batches=2, accelerator='cpu', "
+    "logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
+)
+
+
+@pytest.fixture
+def lightning5(shell, run_cell):
+    pytest.importorskip("lightning")
+    run_cell(
+        "%%gpumem --quiet\nimport lightning.pytorch as pl\n"
+        "from torch.utils.data import DataLoader, TensorDataset\ntorch.manual_seed(0)\n"
+        "ds5 = TensorDataset(torch.randn(2048, 256))\nds5[0];"
+    )
+    yield
+    for name in ("pl", "ds5", "Lit5", "lit5", "trainer5"):
+        shell.user_ns.pop(name, None)
+
+
+def test_a_lightning_validation_failure_halves_the_val_dataloader_of_an_earlier_cell(
+    shell, run_cell, lightning5
+):
+    run_cell(LIGHTNING_MODULE.replace("TRAIN_BATCH", "8") + "lit5 = Lit5()\n")
+    cell = QUIET_TRAINER + "trainer5.validate(lit5)\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom" and run.context.evaluating
+    act = finding(run, "activations")
+    assert "The failure came in an evaluation (line 2 of the cell, in validate())" in act.evidence
+    assert "per sample at batch_size=1024" in act.evidence
+    # Lightning evaluates under inference_mode: no autograd finding, and never the training batch.
+    assert {f.key for f in run.findings}.isdisjoint({"autograd", "kept"})
+    assert "batch" not in {r.kind for f in run.findings for r in f.remedies}
+    fix = remedy(act, "eval_batch")
+    assert fix.title == "Evaluation batch 1024 → 512" and "Lit5.val_dataloader" in fix.explanation
+    assert fix.new_source == cell.replace(
+        "trainer5.validate(lit5)", "trainer5.validate(lit5, dataloaders=DataLoader(ds5, batch_size=512))"
+    )
+    new = retried(shell, run, fix)
+    assert new.applied == (fix,) and "val_loss" in shell.user_ns["trainer5"].callback_metrics
+    # Undone, the cell runs as written again (and runs out again): the class was never changed.
+    undone = session_for(shell).remove(new, 0)
+    assert undone.source == cell and undone.outcome == "oom"
+
+
+def test_a_loader_of_an_earlier_cell_passed_to_validate_is_passed_again_with_half_the_batch(
+    shell, run_cell, lightning5
+):
+    run_cell(
+        LIGHTNING_MODULE.replace("TRAIN_BATCH", "8")
+        + "lit5 = Lit5()\nval5 = DataLoader(ds5, batch_size=1024)\n"
+    )
+    cell = QUIET_TRAINER + "trainer5.validate(lit5, dataloaders=val5)\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    fix = remedy(finding(run, "activations"), "eval_batch")
+    assert fix.title == "Evaluation batch 1024 → 512" and "(batch_size of val5)" in fix.explanation
+    assert fix.new_source == "import torch\n" + cell.replace(
+        "dataloaders=val5)",
+        "dataloaders=torch.utils.data.DataLoader(val5.dataset, batch_size=512, collate_fn=val5.collate_fn, "
+        "num_workers=val5.num_workers))",
+    )
+    retried(shell, run, fix)
+    shell.user_ns.pop("val5", None)
+
+
+def test_a_lightning_fit_failing_in_its_validation_changes_the_val_dataloader_in_the_cell(
+    shell, run_cell, lightning5
+):
+    cell = LIGHTNING_MODULE.replace("TRAIN_BATCH", "8") + QUIET_TRAINER + "trainer5.fit(Lit5())\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom" and run.context.evaluating
+    fix = remedy(finding(run, "activations"), "eval_batch")
+    assert fix.new_source == cell.replace("batch_size=1024", "batch_size=512")
+    assert "batch_size=8" in fix.new_source  # the training loader stays
+    retried(shell, run, fix)
+    assert shell.user_ns["trainer5"].global_step == 2
+
+
+def test_a_lightning_training_step_failure_is_not_an_evaluation(shell, run_cell, lightning5):
+    cell = LIGHTNING_MODULE.replace("TRAIN_BATCH", "2048").replace("batch_size=1024)", "batch_size=8)")
+    cell += QUIET_TRAINER + "trainer5.fit(Lit5())\n"
+    run_cell(f"%%gpumem --limit {limit_above(14 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    assert run.outcome == "oom" and not run.context.evaluating and run.context.eval_batch is None
+    assert "eval_batch" not in {r.kind for f in run.findings for r in f.remedies}
+
+
 # --- 4. memory pinned outside %%gpumem -----------------------------------------------------------------
 
 
@@ -370,6 +489,73 @@ def test_weights_quiet_when_they_are_a_small_share_of_the_budget():
     )
 
 
+# --- 6. one request larger than the budget --------------------------------------------------------------
+
+
+@pytest.fixture
+def lm6(shell, run_cell):
+    """A GPT-2 of GPT-2's vocabulary (50,257) and two small layers, from a config (no download)."""
+    pytest.importorskip("transformers")
+    run_cell(
+        "%%gpumem --quiet\nimport transformers\ntorch.manual_seed(0)\n"
+        "cfg6 = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=50257, n_positions=256)\n"
+        "lm6 = transformers.GPT2LMHeadModel(cfg6).eval()\nids6 = torch.randint(0, 50257, (4, 256))\n"
+        "lm6(ids6[:1, :4]);"
+    )
+    yield
+    for name in ("cfg6", "lm6", "ids6", "next6", "transformers"):
+        shell.user_ns.pop(name, None)
+
+
+NEXT_TOKEN = """\
+with torch.no_grad():
+    next6 = lm6(ids6).logits[:, -1].argmax(-1)
+"""
+
+
+def test_logits_larger_than_the_budget_are_named_and_computed_for_the_last_position_only(
+    shell, run_cell, lm6
+):
+    run_cell(f"%%gpumem --limit {limit_above(64 * MiB)} --plan-budget 0 --quiet\n{NEXT_TOKEN}")
+    run = last_run()
+    assert run.outcome == "oom" and run.report.requested == 4 * 256 * 50257 * 4
+    big = finding(run, "too_large")
+    assert (
+        f"One request of 196.32 MiB is larger than the whole {format_bytes(run.limit)} limit (line 2 of the "
+        "cell, in forward()): the logits, the output of `lm_head` (Linear 64 → 50,257) of GPT2LMHeadModel: "
+        "4 × 256 × 50,257 (batch × sequence × vocabulary) float32 values, 196.32 MiB."
+    ) in big.evidence
+    assert "(now 4)" in big.evidence and "shorter sequences (now 256 tokens)" in big.evidence
+    keep = remedy(big, "logits_to_keep")
+    assert keep.automatic and keep.saving == 4 * 255 * 50257 * 4
+    assert keep.new_source == NEXT_TOKEN.replace("lm6(ids6)", "lm6(ids6, logits_to_keep=1)")
+    new = retried(shell, run, keep)
+    assert new.applied == (keep,) and new.peak_allocated - new.recording.before_allocated < 16 * MiB
+    with torch.no_grad():  # the same next tokens as the full logits give
+        expected = shell.user_ns["lm6"](shell.user_ns["ids6"][:1]).logits[:, -1].argmax(-1)
+    assert shell.user_ns["next6"].shape == (4,) and shell.user_ns["next6"][0] == expected[0]
+
+
+def test_one_request_whose_frames_name_no_operation_gets_no_shape(shell, run_cell, lm6):
+    run_cell(
+        f"%%gpumem --limit {limit_above(64 * MiB)} --plan-budget 0 --quiet\nbig6 = torch.empty(32 * 2**20)"
+    )
+    run = last_run()
+    assert run.outcome == "oom" and run.context.request is None
+    big = finding(run, "too_large")
+    assert "×" not in big.evidence and "logits_to_keep" not in {r.kind for r in big.remedies}
+
+
+def test_logits_read_in_full_are_not_offered_logits_to_keep(shell, run_cell, lm6):
+    cell = "with torch.no_grad():\n    probs6 = lm6(ids6).logits.softmax(-1)\n"
+    run_cell(f"%%gpumem --limit {limit_above(64 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    big = finding(run, "too_large")
+    assert "4 × 256 × 50,257 (batch × sequence × vocabulary)" in big.evidence
+    assert "logits_to_keep" not in {r.kind for r in big.remedies}
+    shell.user_ns.pop("probs6", None)
+
+
 # --- 9. generation -------------------------------------------------------------------------------------
 
 
@@ -385,10 +571,12 @@ def test_long_prompts_prefill_is_split_into_chunks_not_fewer_new_tokens(shell, r
     run = last_run()
     assert run.outcome == "oom"
     gen = finding(run, "generation")
-    assert "the prefill of all 16 prompts at once is the peak, so fewer new tokens cannot make it fit" in (
-        gen.evidence
-    )
-    assert "max_new_tokens" not in {r.kind for r in gen.remedies}
+    assert (
+        "The error came in the prefill (`_prefill` in the traceback), where all 16 prompts of 128 tokens "
+        "go through the model at once before any new token exists: fewer new tokens or a smaller KV cache "
+        "cannot make it fit; generating fewer prompts at a time does"
+    ) in gen.evidence
+    assert {r.kind for r in gen.remedies}.isdisjoint({"max_new_tokens", "kv_cache", "quantized_cache"})
     split = remedy(gen, "split_generate")
     assert split.automatic and split.title == "Generate 8 prompts at a time (of 16)"
     assert split.new_source.endswith(
@@ -398,6 +586,62 @@ def test_long_prompts_prefill_is_split_into_chunks_not_fewer_new_tokens(shell, r
     assert tuple(shell.user_ns["out9"].shape) == (16, 144)
     for name in ("model9", "ids9", "out9", "path9", "generate_in_chunks"):
         shell.user_ns.pop(name, None)
+
+
+GENERATES = "out9 = lm9.generate(ids9, max_new_tokens=16, min_new_tokens=16, do_sample=False)\n"
+
+
+def test_a_kv_cache_that_outgrows_the_budget_is_quantized(shell, run_cell):
+    pytest.importorskip("transformers")
+    # 8 layers of 512-wide keys and values for 32 prompts: the float32 KV cache is most of what grows.
+    run_cell(
+        "%%gpumem --quiet\nimport transformers\ntorch.manual_seed(0)\n"
+        "cfg9 = transformers.GPT2Config(n_embd=512, n_layer=8, n_head=8, vocab_size=64, n_positions=64)\n"
+        "lm9 = transformers.GPT2LMHeadModel(cfg9).eval()\nlm9.generation_config.pad_token_id = 0\n"
+        "ids9 = torch.randint(0, 64, (32, 8))\nlm9(ids9[:1, :2]);"
+    )
+    run_cell(f"%%gpumem --limit {limit_above(20 * MiB)} --plan-budget 0 --quiet\n{GENERATES}")
+    run = last_run()
+    assert run.outcome == "oom"
+    if "fp8" not in (run.context.kv_backends or ()):
+        pytest.skip("this transformers has no fp8 quantized cache, and no other backend is installed")
+    gen = finding(run, "generation")
+    quant = remedy(gen, "quantized_cache")
+    assert quant.automatic and quant.title == "Quantized KV cache (fp8)"
+    assert quant.new_source == GENERATES.replace(
+        "do_sample=False)",
+        'do_sample=False, cache_implementation=\'quantized\', cache_config={"backend": "fp8"})',
+    )
+    assert "25% of the float32 values' bytes" in quant.explanation
+    new = retried(shell, run, quant)
+    assert tuple(shell.user_ns["out9"].shape) == (32, 24) and new.applied == (quant,)
+    for name in ("cfg9", "lm9", "ids9", "out9"):
+        shell.user_ns.pop(name, None)
+
+
+def test_a_quantized_cache_without_a_backend_says_what_to_install_and_is_no_button():
+    from oommagic.diagnosis.findings import DiagnosisContext, Frame
+    from oommagic.diagnosis.rules import diagnose
+    from oommagic.oom import OOMReport
+
+    ctx = DiagnosisContext(
+        source="out = model.generate(**enc, max_new_tokens=2048)\n",
+        generation=True,
+        capacity=24 * 1024 * MiB,
+        prompt_tokens=32,
+        kv_backends=(),
+    )
+    report = OOMReport(text="CUDA out of memory.", requested=1024 * MiB, capacity=24 * 1024 * MiB, free=0)
+    quant = remedy(finding_of(diagnose(report, ctx), "generation"), "quantized_cache")
+    assert not quant.automatic and quant.title == "Quantized KV cache: first `pip install optimum-quanto`"
+    assert quant.code.startswith("%pip install optimum-quanto\n")
+    # A transformers without a quantized cache offers none; a failure in the prefill offers no cache at all.
+    older = DiagnosisContext(**{**ctx.__dict__, "kv_backends": None})
+    assert "quantized_cache" not in {r.kind for f in diagnose(report, older) for r in f.remedies}
+    frames = (Frame("<module>", 1, True), Frame("generate", 2), Frame("_prefill", 3))
+    prefill = DiagnosisContext(**{**ctx.__dict__, "frames": frames, "kv_backends": ("fp8",)})
+    kinds = {r.kind for f in diagnose(report, prefill) for r in f.remedies}
+    assert kinds.isdisjoint({"quantized_cache", "kv_cache", "max_new_tokens"})
 
 
 def test_offloaded_kv_cache_is_a_rewrite_of_the_generate_call():
@@ -436,7 +680,10 @@ for texts in batches7:
 """
 
 
-def test_one_batch_of_long_samples_is_truncated_first(shell, run_cell):
+@pytest.fixture
+def long7(shell, run_cell):
+    """Six batches of 64-character texts, then one of 2,048: a tokenizer that pads to the longest (and
+    truncates when asked), an embedding and a linear layer trained with SGD."""
     run_cell(
         "%%gpumem --quiet\n"
         "def tokenizer(texts, truncation=False, max_length=None):\n"
@@ -449,21 +696,106 @@ def test_one_batch_of_long_samples_is_truncated_first(shell, run_cell):
         'batches7 = [["a" * 64] * 8] * 6 + [["a" * 2048] * 8]\n'
         "lin7(emb7(torch.ones(1, 1, dtype=torch.long))).sum().backward()\nopt7.zero_grad()\n"
     )
+    yield
+    for name in (
+        "tokenizer",
+        "emb7",
+        "lin7",
+        "opt7",
+        "batches7",
+        "texts",
+        "ids",
+        "loss",
+        "too_long",
+        "steps7",
+    ):
+        shell.user_ns.pop(name, None)
+
+
+def test_one_batch_of_long_samples_is_left_out_or_truncated_before_anything_else(shell, run_cell, long7):
     run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 60 --quiet\n{LONG_BATCH}")
     run = last_run()
     assert run.outcome == "oom" and len(run.timeline.steps) == 6
     assert run.findings[0].key == "long_samples"
     long = run.findings[0]
     assert "of the 5 completed steps" in long.evidence and "plot_lengths" in long.evidence
+    assert "The batch it failed on, `ids`, is 8 × 2,048 tokens." in long.evidence
     cut = remedy(long, "truncate")
     assert cut.new_source == LONG_BATCH.replace(
         "tokenizer(texts)", "tokenizer(texts, truncation=True, max_length=512)"
     )
-    first = run.plan.entries[0]
-    assert first.kind == "truncate" and first.verdict == "fits", [e.line() for e in run.plan.entries]
+    # Both change only the outlier batch: they come first, measured to fit, the faster one first.
+    first_two = {e.kind: e.verdict for e in run.plan.entries[:2]}
+    assert first_two == {"skip_long": "fits", "truncate": "fits"}, [e.line() for e in run.plan.entries]
     retried(shell, run, cut)
-    for name in ("tokenizer", "emb7", "lin7", "opt7", "batches7", "texts", "ids", "loss"):
+
+
+def test_one_batch_of_long_samples_is_skipped_by_the_loop(shell, run_cell, long7):
+    cell = "steps7 = 0\n" + LONG_BATCH + "    steps7 += 1\n"
+    run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 0 --quiet\n{cell}")
+    run = last_run()
+    long = finding(run, "long_samples")
+    skip = long.remedies[0]
+    assert skip.kind == "skip_long" and skip.title == "Skip batches longer than 512 tokens"
+    assert offered(run)[0].kind == "skip_long"  # the report's first button
+    assert skip.new_source == TOO_LONG + "\n\n" + cell.replace(
+        "    ids = tokenizer(texts)\n",
+        "    ids = tokenizer(texts)\n    if too_long(ids, 512):\n        continue\n",
+    )
+    new = retried(shell, run, skip)
+    assert shell.user_ns["steps7"] == 6  # every batch but the long one trained
+    # Undone, the cell runs as written again: the long batch runs out again.
+    undone = session_for(shell).remove(new, 0)
+    assert undone.source == cell and undone.outcome == "oom"
+
+
+COLLATED = """\
+loader7 = DataLoader(samples7, batch_size=8, collate_fn=pad7)
+for batch in loader7:
+    loss = lin7(emb7(batch["input_ids"])).pow(2).mean()
+    loss.backward()
+    opt7.step()
+    opt7.zero_grad()
+"""
+
+
+def test_long_samples_collated_without_a_tokenizer_call_are_cut_before_padding(shell, run_cell, long7):
+    run_cell(
+        "from torch.utils.data import DataLoader\n"
+        "samples7 = [{'input_ids': [1] * 64}] * 48 + [{'input_ids': [1] * 2048}] * 8\n"
+        "def pad7(features):\n"
+        "    n = max(len(f['input_ids']) for f in features)\n"
+        "    rows = [f['input_ids'] + [0] * (n - len(f['input_ids'])) for f in features]\n"
+        "    return {'input_ids': torch.tensor(rows)}\n"
+    )
+    run_cell(f"%%gpumem --limit {limit_above(40 * MiB)} --plan-budget 0 --quiet\n{COLLATED}")
+    run = last_run()
+    long = finding(run, "long_samples")
+    assert "The batch it failed on, `batch`, is 8 × 2,048 tokens." in long.evidence
+    cut = remedy(long, "truncate")
+    assert cut.automatic and "a collator pads, it never cuts" in cut.explanation
+    assert cut.new_source == TRUNCATED_COLLATE + "\n\n" + COLLATED.replace(
+        "collate_fn=pad7)", "collate_fn=truncated(pad7, 512))"
+    )
+    retried(shell, run, cut)
+    for name in ("samples7", "pad7", "loader7", "batch", "truncated", "DataLoader"):
         shell.user_ns.pop(name, None)
+
+
+def test_long_samples_without_a_loop_binding_the_batch_are_not_offered_a_skip():
+    from oommagic.diagnosis.findings import DiagnosisContext
+    from oommagic.diagnosis.rules import diagnose
+    from oommagic.timeline import Timeline
+
+    outlier = Timeline(
+        t=tuple(range(12)),
+        allocated=tuple([MiB, 10 * MiB] * 5 + [MiB, 40 * MiB]),
+        reserved=tuple([MiB, 10 * MiB] * 5 + [MiB, 40 * MiB]),
+        steps=(1.5, 3.5, 5.5, 7.5, 9.5),
+    )
+    ctx = DiagnosisContext(source="trainer.train()\n", timeline=outlier, limit=32 * MiB, trains=True)
+    long = finding_of(diagnose(None, ctx), "long_samples")
+    assert [r.kind for r in long.remedies] == ["truncate"] and "The batch it failed on" not in long.evidence
 
 
 def test_long_samples_quiet_when_the_steps_are_even(shell, run_cell):

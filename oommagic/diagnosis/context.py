@@ -1,6 +1,7 @@
 """Read what the diagnosis needs from the live kernel: the namespace's device memory, models and
-optimizers, the batch size, generation inputs, and the machine (allocator settings, other GPUs and
-processes); then ``make_context`` puts it together with the run's recording into a ``DiagnosisContext``.
+optimizers (through ``holdings``), the failing frames, the batch size, generation inputs, and the machine
+(allocator settings, other GPUs and processes); then ``make_context`` puts it together with the run's
+recording into a ``DiagnosisContext``.
 
 The effectful edge of the diagnosis, and read-only: it imports torch inside its functions, never deletes
 or moves anything (``run.release`` does), triggers no warning, calls no property or ``__getattr__`` of user
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import re
 import types
@@ -24,30 +26,40 @@ from typing import Any
 from ..oom import OOMReport
 from ..timeline import Recording
 from . import source as cell
-from .findings import DiagnosisContext, Frame, Kept, Leftover, Loading, ModelInfo, Pin
-from .source import BatchGuess
-
-# IPython's own names: output history (`_`, `__`, `_3`, `Out`), input history (`_i`, `_ii`, `_i3`, `In`).
-IPYTHON_NAME = re.compile(r"_+|_i+|_i?\d+|_[oid]h|In|Out|exit|quit|get_ipython|__\w+__")
-# A list of a hundred thousand tensors is exactly the leak worth finding; beyond that, stop counting.
-_CONTAINER_ITEMS = 100_000
-SKIPPED_TYPES = (
-    types.ModuleType,
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    str,
-    bytes,
-    int,
-    float,
+from .findings import DiagnosisContext, EvalLoader, Frame, Kept, Leftover, Loading, ModelInfo, Pin
+from .holdings import (
+    IPYTHON_NAME,
+    SKIPPED_TYPES,
+    Reader,
+    Storages,
+    checkpointing_enabled,
+    held_by,
+    instance_dict,
+    model_infos,
+    namespace_holdings,
+    optimizer_params,
+    tensor_storages,
 )
-# Optimizer state per trainable parameter byte, by class name; an optimizer not listed counts as Adam.
-_MOMENTS = {"SGD": None, "Adagrad": 1.0, "RMSprop": 1.0, "Adadelta": 2.0, "Adafactor": 0.1, "Lion": 1.0}
+from .holdings import model_info as _model_info
+from .request import Computation, match_request, read_computation
+from .source import BatchGuess, EvalBatch
 
-_SKIPPED = frozenset(SKIPPED_TYPES) | {bool, type(None)}  # exact types: a set lookup before isinstance
-Storages = dict[int, int]  # storage data_ptr -> bytes: views of one storage count once
-_MODE_LAYERS: tuple[type, ...] = ()  # dropout and batch norm, set on first use (torch imported lazily)
+# run/ (release, snapshot, roles, fixes) reads these from here, where they were before `holdings` existed.
+__all__ = [
+    "IPYTHON_NAME",
+    "SKIPPED_TYPES",
+    "NamespaceScan",
+    "checkpointing_enabled",
+    "held_by",
+    "instance_dict",
+    "make_context",
+    "optimizer_params",
+    "scan_namespace",
+    "tensor_storages",
+]
+
+# A list of a hundred thousand tensors is exactly the leak worth finding; beyond that, stop counting.
+_KEPT_ITEMS = 100_000
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,10 @@ class NamespaceScan:
     loading: tuple[Loading, ...] = ()
     installed: tuple[str, ...] = ()
     transformers_version: str | None = None
+    computation: Computation | None = None
+    eval_loader: EvalLoader | None = None
+    kv_backends: tuple[str, ...] | None = None
+    batch_shape: tuple[str, int, int] | None = None
 
 
 def scan_namespace(
@@ -92,6 +108,7 @@ def scan_namespace(
         where = torch.device(device)
         ints = tuple((k, v) for k, v in namespace.items() if type(v) is int and not IPYTHON_NAME.fullmatch(k))
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
+        generation = _generates(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
         leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
         models = models + _model_being_built(error, models, source, trains, checkpointing, grown)
@@ -101,7 +118,7 @@ def scan_namespace(
             leftovers=leftovers,
             models=models,
             ints=ints,
-            generation=_generates(source, namespace),
+            generation=generation,
             prompt_tokens=prompt_tokens(source, namespace),
             prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
@@ -116,7 +133,33 @@ def scan_namespace(
             loading=loadings(source, namespace),
             installed=installed(("bitsandbytes", "accelerate")),
             transformers_version=_version("transformers"),
+            computation=_computation(error),
+            eval_loader=lightning_loader(error, namespace, source),
+            kv_backends=quantized_cache_backends() if generation else None,
+            batch_shape=batch_shape(source, [*scopes, namespace]),
         )
+
+
+def batch_shape(source: str, scopes: list[Mapping]) -> tuple[str, int, int] | None:
+    """(name, samples, tokens) of the batch a training loop of the cell held when it failed: the tensor of
+    token ids (or the mapping with ``input_ids``) bound to one of ``cell.loop_batches``, found in the first
+    of ``scopes`` that has it. None where no such 2-d tensor is there."""
+    import torch
+
+    for name in cell.loop_batches(source):
+        value = next((sc[name] for sc in scopes if name in sc), None)
+        if value is not None and not issubclass(type(value), torch.Tensor):
+            data = value if type(value) is dict else instance_dict(value).get("data")  # BatchEncoding
+            value = dict.get(data, "input_ids") if type(data) is dict else None
+        if issubclass(type(value), torch.Tensor) and value.dim() == 2:
+            return name, int(value.shape[0]), int(value.shape[1])
+    return None
+
+
+def _computation(error: BaseException | None) -> Computation | None:
+    with contextlib.suppress(Exception):  # an exotic frame must not stop the diagnosis
+        return read_computation(error)
+    return None
 
 
 def failing_frames(
@@ -134,13 +177,17 @@ def failing_frames(
     while tb is not None:
         raw.append((tb.tb_frame, tb.tb_lineno))
         tb = tb.tb_next
-    cell_files = {f.f_code.co_filename for f, _ in raw if f.f_globals is namespace}
+    # Functions of earlier cells run with the namespace as globals too: the cell is the module-level code.
+    cell_files = {
+        f.f_code.co_filename for f, _ in raw if f.f_globals is namespace and f.f_code.co_name == "<module>"
+    }
+    cell_files = cell_files or {f.f_code.co_filename for f, _ in raw if f.f_globals is namespace}
     lines = source.split("\n")
     frames, scopes = [], []
     for frame, lineno in raw:
         code = frame.f_code
-        in_cell = code.co_filename in cell_files
-        if in_cell and 0 < lineno <= len(lines):
+        in_cell = code.co_filename in cell_files and 0 < lineno <= len(lines)
+        if in_cell:
             # The cell as compiled may differ from `source` by IPython's transforms: trust matching text.
             text = linecache.getline(code.co_filename, lineno).strip()
             in_cell = not text or text == lines[lineno - 1].strip()
@@ -205,9 +252,9 @@ def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept
             continue
         kind = type(value)
         if issubclass(kind, (list, tuple)):
-            items = list(_first(value))
+            items = list(itertools.islice(value, _KEPT_ITEMS))
         elif issubclass(kind, dict):
-            items = list(_first(dict.values(value)))
+            items = list(itertools.islice(dict.values(value), _KEPT_ITEMS))
         else:
             items = [value]
         tensors = [t for t in items if issubclass(type(t), torch.Tensor)]
@@ -234,6 +281,47 @@ def installed(names: tuple[str, ...]) -> tuple[str, ...]:
             if importlib.util.find_spec(name) is not None:
                 out.append(name)
     return tuple(out)
+
+
+def quantized_cache_backends() -> tuple[str, ...] | None:
+    """The backends transformers' quantized KV cache (``cache_implementation="quantized"``) can use in
+    this kernel, best first: ``quanto`` (optimum-quanto, 4-bit), ``hqq``, ``fp8`` (built into newer
+    transformers); () where it has none installed; None where the loaded transformers has no quantized
+    cache. Reads the loaded modules and the installed packages; imports nothing."""
+    import sys
+
+    utils = sys.modules.get("transformers.cache_utils")
+    if utils is None:
+        return None
+    names = vars(utils)
+    if not any(n in names for n in ("QuantizedCache", "QuantoQuantizedCache", "HQQQuantizedCache")):
+        return None
+    found = []
+    if _has_submodule("optimum", "quanto"):
+        found.append("quanto")
+    if installed(("hqq",)):
+        found.append("hqq")
+    if "Fp8QuantizedLayer" in names:
+        found.append("fp8")
+    return tuple(found)
+
+
+def _has_submodule(package: str, name: str) -> bool:
+    """Whether ``package.name`` is installed, without importing ``package``."""
+    import importlib.machinery
+
+    for folder in _search_paths(package):
+        if importlib.machinery.PathFinder.find_spec(name, [folder]) is not None:
+            return True
+    return False
+
+
+def _search_paths(package: str) -> list[str]:
+    import importlib.machinery
+    import sys
+
+    spec = importlib.machinery.PathFinder.find_spec(package, sys.path)
+    return list(spec.submodule_search_locations or []) if spec is not None else []
 
 
 @functools.lru_cache(maxsize=8)
@@ -349,13 +437,17 @@ def make_context(
         applied=applied,
         frames=frames,
         kept=scan.kept,
-        grad_enabled=scan.grad_enabled,
+        grad_enabled=False if _library_evaluates(frames) else scan.grad_enabled,
         evaluating=evaluating,
-        eval_batch=cell.eval_batch(source, line) if evaluating else None,
+        eval_batch=_eval_batch(source, line, scan.eval_loader) if evaluating else None,
+        eval_loader=scan.eval_loader if evaluating else None,
+        kv_backends=scan.kv_backends,
+        batch_shape=scan.batch_shape,
         pins=scan.pins,
         loading=scan.loading,
         installed=scan.installed,
         transformers_version=scan.transformers_version,
+        request=match_request(scan.computation, report.requested if report else None),
     )
 
 
@@ -378,6 +470,78 @@ _EVAL_FRAMES = frozenset(
 )
 
 
+def _library_evaluates(frames: tuple[Frame, ...]) -> bool:
+    """Whether the failure came inside the evaluation loop of transformers or Lightning, which run it with
+    autograd off (``prediction_step`` under ``no_grad``, Lightning's loops under ``inference_mode``): what
+    ``torch.is_grad_enabled()`` says after the error, outside those blocks, is not what it was."""
+    return any(
+        f.function in _EVAL_FRAMES
+        and not f.in_cell
+        and re.search(r"[/\\](transformers|lightning|pytorch_lightning)[/\\]", f.file)
+        for f in frames
+    )
+
+
+def _eval_batch(source: str, line: int | None, loader: EvalLoader | None) -> EvalBatch | None:
+    """The batch size of the evaluation that failed: set in the cell (``cell.eval_batch``), or for a
+    Lightning evaluation, that of the loader passed to the trainer's call (made in this cell or an earlier
+    one) or else returned by the hook (``val_dataloader``) of a class this cell or an earlier one defines."""
+    found = cell.eval_batch(source, line)
+    if found is not None or loader is None:
+        return found
+    found = cell.lightning_eval_batch(source, loader.hook)
+    if found is not None:
+        return found
+    if loader.keyword is not None:  # the cell passes the loaders: the hooks are not read
+        size = loader.batch_size
+        return EvalBatch("batch_size", size, loader.variable) if size and loader.variable else None
+    earlier = cell.hook_batch(loader.source, loader.hook) if loader.source else None
+    return EvalBatch(earlier.name, earlier.value, f"{loader.owner}.{loader.hook}") if earlier else None
+
+
+# Lightning's step hooks and the loader hooks that feed them.
+_STEP_HOOKS = {
+    "validation_step": "val_dataloader",
+    "test_step": "test_dataloader",
+    "predict_step": "predict_dataloader",
+}
+
+
+def lightning_loader(error: BaseException | None, namespace: Mapping, source: str) -> EvalLoader | None:
+    """Where the Lightning evaluation a failure came in got its loader: the ``validation_step`` in the
+    traceback names ``val_dataloader``; a loader variable the cell passes for it (its batch size read from
+    its instance dict), else the hook of the DataModule the cell passes (``datamodule=dm``) or of the
+    LightningModule. None outside a Lightning evaluation."""
+    import inspect
+    import textwrap
+
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        hook = _STEP_HOOKS.get(tb.tb_frame.f_code.co_name)
+        owner = dict.get(tb.tb_frame.f_locals, "self") if hook else None
+        tb = tb.tb_next
+        if owner is None or not any(hook in vars(c) for c in type(owner).__mro__[:-1]):
+            continue
+        passed = cell.passed_loader(source, hook)
+        if passed is not None:
+            keyword, variable = passed
+            size = instance_dict(namespace.get(variable)).get("batch_size") if variable else None
+            if type(size) is int and size > 0:
+                return EvalLoader(hook, variable=variable, keyword=keyword, batch_size=size)
+            return EvalLoader(hook, variable=variable, keyword=keyword)
+        datamodule = cell.keyword_name(source, "datamodule")
+        held = namespace.get(datamodule) if datamodule else None
+        if held is not None and any(hook in vars(c) for c in type(held).__mro__[:-1]):
+            owner = held
+        func = next((vars(c)[hook] for c in type(owner).__mro__ if hook in vars(c)), None)
+        hook_source = ""
+        if isinstance(func, types.FunctionType) and func.__module__ == "__main__":
+            with contextlib.suppress(Exception):  # no source (exec'd code): the cell's own reading only
+                hook_source = textwrap.dedent(inspect.getsource(func))
+        return EvalLoader(hook, type(owner).__name__, hook_source)
+    return None
+
+
 def _evaluating(source: str, frames: tuple[Frame, ...], line: int | None) -> bool:
     """Whether the failure came in an evaluation: through an evaluation function of a library, on a line
     of the cell that runs under ``no_grad``/``inference_mode``, or in a cell that only evaluates."""
@@ -396,27 +560,26 @@ def _holdings(
 ) -> tuple[tuple[Leftover, ...], tuple[ModelInfo, ...]]:
     """Leftovers (largest first; a storage shared by several names counts for the largest holder only)
     and the models in the namespace."""
-    held: dict[str, tuple[str, Storages]] = {}
-    modules: list[tuple[str, Any]] = []
-    optimizers: list[Any] = []
-    for name, value in list(namespace.items()):
-        if type(value) in _SKIPPED or isinstance(value, SKIPPED_TYPES) or IPYTHON_NAME.fullmatch(name):
-            continue
-        try:
-            kind, storages = held_by(name, value, device, modules, optimizers)
-        except Exception:  # an exotic object must not stop the diagnosis
-            continue
-        if storages:
-            held[name] = (kind, storages)
+    reader = Reader(device)
+    held, modules, optimizers = namespace_holdings(namespace, reader)
     claimed: set[int] = set()
     leftovers = []
     in_use = _used_by_calls(source, namespace)
-    for name, (kind, storages) in sorted(held.items(), key=lambda h: -sum(h[1][1].values())):
-        mine = sum(n for ptr, n in storages.items() if ptr not in claimed)
-        claimed.update(storages)
+    totals = {name: sum(storages.values()) for name, (_, storages) in held.items()}
+    for name in sorted(held, key=totals.__getitem__, reverse=True):
+        kind, storages = held[name]
+        if len(storages) == 1:  # most holders: one tensor
+            ((ptr, mine),) = storages.items()
+            if ptr in claimed:
+                continue
+            claimed.add(ptr)
+        else:
+            mine = sum(n for ptr, n in storages.items() if ptr not in claimed)
+            claimed.update(storages)
         if mine:
             leftovers.append(Leftover(name, kind, mine, in_use=name in in_use))
-    return tuple(leftovers), _models(modules, optimizers, device, source, checkpointing, trains)
+    models = model_infos(modules, optimizers, reader, source, checkpointing, trains)
+    return tuple(leftovers), models
 
 
 def _used_by_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:
@@ -550,208 +713,6 @@ def _code_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def held_by(
-    name: str, value: Any, device: Any, modules: list | None = None, optimizers: list | None = None
-) -> tuple[str, Storages]:
-    """(kind, storages on ``device``) of one namespace value; modules and optimizers met on the way go to
-    ``modules`` and ``optimizers``. Reads instance ``__dict__``s only: no property, no ``__getattr__``."""
-    import torch
-
-    modules = [] if modules is None else modules
-    optimizers = [] if optimizers is None else optimizers
-    kind = type(value)
-    if issubclass(kind, torch.Tensor):
-        return "tensor", tensor_storages(value, device)
-    if issubclass(kind, torch.nn.Module):
-        modules.append((name, value))
-        return "module", _module_storages(value, device)
-    if issubclass(kind, torch.optim.Optimizer):
-        optimizers.append(value)
-        return "optimizer", optimizer_storages(value, device)
-    if issubclass(kind, dict):
-        pairs = _first(dict.items(value))
-        label = "{}[{!r}]"
-    elif issubclass(kind, (list, tuple, set, frozenset)):
-        pairs = enumerate(_first(value))
-        label = "{}[{}]"
-    else:
-        # A Trainer or a pipeline holds its model and optimizer as attributes.
-        pairs = _first(instance_dict(value).items())
-        label = "{}.{}"
-    storages: Storages = {}
-    tensor = torch.Tensor
-    for key, inner in pairs:
-        inner_kind = type(inner)
-        if inner_kind in _SKIPPED:
-            continue
-        # Names are only built for what is listed by name (models, optimizers): a list of ten thousand
-        # tensors costs a storage lookup each (benchmarks/scan_cost.py).
-        if issubclass(inner_kind, tensor):
-            tensor_storages(inner, device, storages)
-        elif issubclass(inner_kind, (torch.nn.Module, torch.optim.Optimizer)):
-            storages.update(held_by(label.format(name, key), inner, device, modules, optimizers)[1])
-    return "container", storages
-
-
-def instance_dict(value: Any) -> dict:
-    """``value.__dict__`` read without calling ``__getattr__`` or a property; {} where there is none."""
-    try:
-        attrs = object.__getattribute__(value, "__dict__")
-    except Exception:
-        return {}
-    return attrs if type(attrs) is dict else {}
-
-
-def _first(items: Iterable) -> Iterable:
-    for i, item in enumerate(items):
-        if i >= _CONTAINER_ITEMS:
-            return
-        yield item
-
-
-def tensor_storages(t: Any, device: Any = None, into: Storages | None = None) -> Storages:
-    """The storages behind ``t`` (and, for a leaf, its ``.grad``) on ``device`` (any device when None)."""
-    into = {} if into is None else into
-    # `.grad` of a non-leaf tensor warns and is always None.
-    grad = t.grad if t.is_leaf else None
-    for tensor in (t, grad) if grad is not None else (t,):
-        if device is not None and not _on(tensor, device):
-            continue
-        try:
-            storage = tensor.untyped_storage()
-            ptr, size = storage.data_ptr(), storage.nbytes()
-        except Exception:  # sparse and wrapper tensors have no plain storage: count their elements
-            ptr, size = id(tensor), tensor.numel() * tensor.element_size()
-        if size:
-            into[ptr] = size
-    return into
-
-
-def _on(t: Any, device: Any) -> bool:
-    # `t.device` builds a device object (~1.6 us); these flags cost a tenth of that, and a scan of a big
-    # namespace asks for every tensor (benchmarks/scan_cost.py).
-    if device.type == "cpu":
-        return t.is_cpu
-    if device.type == "cuda":
-        return t.is_cuda and (device.index is None or t.get_device() == device.index)
-    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-
-
-def _module_storages(module: Any, device: Any) -> Storages:
-    storages: Storages = {}
-    for tensor in [*module.parameters(), *module.buffers()]:
-        tensor_storages(tensor, device, storages)
-    return storages
-
-
-def optimizer_storages(optimizer: Any, device: Any) -> Storages:
-    import torch
-
-    storages: Storages = {}
-    for state in optimizer.state.values():
-        for value in state.values() if isinstance(state, dict) else ():
-            if issubclass(type(value), torch.Tensor):
-                tensor_storages(value, device, storages)
-    return storages
-
-
-def optimizer_params(optimizer: Any) -> list:
-    return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _moments(optimizer: Any) -> float:
-    """Optimizer state per trainable parameter byte: Adam's two moments, SGD's momentum buffer or none."""
-    name = type(optimizer).__name__
-    if name == "SGD":
-        group = optimizer.param_groups[0] if optimizer.param_groups else {}
-        return 1.0 if group.get("momentum", 0) else 0.0
-    return _MOMENTS.get(name) or 2.0
-
-
-def _models(
-    modules: list, optimizers: list, device: Any, source: str, checkpointing: bool, trains: bool
-) -> tuple[ModelInfo, ...]:
-    """One ModelInfo per distinct model on ``device`` (or read by the cell); a submodule of a model
-    already listed (``layer = model.layers[0]``) is not listed again."""
-    seen: dict[int, str] = {}
-    for name, module in sorted(modules, key=lambda m: (not m[0].isidentifier(), len(m[0]))):
-        seen.setdefault(id(module), name)
-    by_id = {id(m): m for _, m in modules}
-    moments: dict[int, float] = {}
-    for opt in optimizers:
-        with contextlib.suppress(Exception):
-            factor = _moments(opt)
-            for p in optimizer_params(opt):
-                moments[p.untyped_storage().data_ptr()] = factor
-    listed: list[ModelInfo] = []
-    covered: set[int] = set()
-    # One pass over each model's parameters: a namespace may hold hundreds of models.
-    every = {key: _params(by_id[key], None) for key in seen}
-    ranked = sorted(seen.items(), key=lambda s: -sum(every[s[0]].values()))
-    for key, name in ranked:
-        module = by_id[key]
-        params = every[key]
-        on_device = _params(module, device) if params else {}
-        top = re.split(r"[.\[]", name, maxsplit=1)[0]
-        if (
-            not params
-            or set(params) <= covered
-            or not (on_device or re.search(rf"\b{re.escape(top)}\b", source))
-        ):
-            continue
-        covered.update(params)
-        found = [moments[p] for p in params if p in moments]
-        listed.append(
-            _model_info(name, module, sum(params.values()), trains, checkpointing, max(found, default=None))
-        )
-    return tuple(listed)
-
-
-def _params(module: Any, device: Any) -> Storages:
-    storages: Storages = {}
-    for p in module.parameters():
-        if device is None or _on(p, device):
-            with contextlib.suppress(Exception):
-                storages[p.untyped_storage().data_ptr()] = p.untyped_storage().nbytes()
-    return storages
-
-
-def _model_info(
-    name: str, module: Any, param_bytes: int, trains: bool, checkpointing: bool, moments: float | None
-) -> ModelInfo:
-    global _MODE_LAYERS
-    _MODE_LAYERS = _MODE_LAYERS or _mode_layers()
-    dtypes: Counter[str] = Counter()
-    trainable = 0
-    for p in module.parameters():
-        size = p.numel() * p.element_size()
-        dtypes[str(p.dtype).removeprefix("torch.")] += size
-        trainable += size if p.requires_grad else 0
-    hf = any(c.__module__.startswith(("transformers.", "peft.")) for c in type(module).__mro__)
-    attrs = instance_dict(module)
-    return ModelInfo(
-        name=name,
-        param_bytes=param_bytes,
-        dtype=dtypes.most_common(1)[0][0] if dtypes else "float32",
-        is_hf=hf,
-        supports_checkpointing=any("gradient_checkpointing_enable" in vars(c) for c in type(module).__mro__)
-        and bool(type(module).__dict__.get("supports_gradient_checkpointing", True)),
-        checkpointing_on=checkpointing or checkpointing_enabled(module),
-        is_training=bool(attrs.get("training", False) and trainable and trains),
-        trainable_bytes=trainable,
-        moments=moments,
-        train_mode=bool(attrs.get("training", False)),
-        mode_layers=any(issubclass(type(m), _MODE_LAYERS) for m in _first(module.modules())),
-    )
-
-
-def _mode_layers() -> tuple[type, ...]:
-    import torch
-
-    nn = torch.nn
-    return (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._BatchNorm)
-
-
 # --- the source, with the namespace -------------------------------------------------------------------
 
 
@@ -790,14 +751,6 @@ def prompt_shape(source: str, namespace: Mapping) -> tuple[int | None, int | Non
 
 
 # --- the machine --------------------------------------------------------------------------------------
-
-
-def checkpointing_enabled(module: Any) -> bool:
-    """Whether a model checkpoints its blocks: transformers marks each block that does with
-    ``gradient_checkpointing = True`` (read from instance dicts: no property runs)."""
-    with contextlib.suppress(Exception):
-        return any(instance_dict(m).get("gradient_checkpointing") is True for m in module.modules())
-    return False
 
 
 def _bf16_supported(device: str) -> bool:

@@ -19,6 +19,7 @@ __all__ = [
     "KINDS",
     "TRAINING_STATE",
     "DiagnosisContext",
+    "EvalLoader",
     "Figures",
     "Finding",
     "Frame",
@@ -28,6 +29,7 @@ __all__ = [
     "ModelInfo",
     "Pin",
     "Remedy",
+    "Request",
     "figures",
 ]
 
@@ -58,6 +60,9 @@ KINDS = frozenset(
         "split_generate",
         "kv_cache",
         "shutdown_kernel",
+        "logits_to_keep",
+        "quantized_cache",
+        "skip_long",
     }
 )
 
@@ -169,6 +174,47 @@ class Loading:
 
 
 @dataclass(frozen=True)
+class Request:
+    """The one allocation that failed, where the failing frames show what made it: its ``shape``, dtype and
+    ``bytes``, the operation in words (``the output of `lm_head` (Linear 64 → 50,257)``), a name per
+    dimension where the model's inputs and config give them (``("batch", "sequence", "vocabulary")``,
+    else ()), whether it is a language model's logits, the keyword the model's forward takes to keep only
+    the last positions' logits (``logits_to_keep``), and the model's class."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    op: str
+    dims: tuple[str, ...] = ()
+    logits: bool = False
+    keep_keyword: str | None = None
+    model: str | None = None
+
+    def shape_words(self) -> str:
+        """'8 × 512 × 50,257 (batch × sequence × vocabulary) float32 values'."""
+        text = " × ".join(f"{d:,}" for d in self.shape)
+        if self.dims:
+            text += f" ({' × '.join(self.dims)})"
+        return f"{text} {self.dtype} values"
+
+
+@dataclass(frozen=True)
+class EvalLoader:
+    """Where a Lightning evaluation got its loader, read outside the cell: ``hook`` is the method that makes
+    it (``val_dataloader``), ``owner`` the class whose hook it is (``source``: the hook's code, where an
+    earlier cell defined it); or, where the cell passes a loader made in an earlier cell
+    (``trainer.validate(model, dataloaders=val_loader)``), ``variable`` is its name, ``keyword`` the
+    keyword it is passed by and ``batch_size`` its batch size."""
+
+    hook: str
+    owner: str = ""
+    source: str = ""
+    variable: str | None = None
+    keyword: str | None = None
+    batch_size: int | None = None
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
 
@@ -239,6 +285,12 @@ class DiagnosisContext:
     loading: tuple[Loading, ...] = ()
     installed: tuple[str, ...] = ()  # of bitsandbytes, accelerate: those importable in this kernel
     transformers_version: str | None = None
+    request: Request | None = None  # the one allocation that failed, where the failing frames name it
+    eval_loader: EvalLoader | None = None  # where a Lightning evaluation that failed got its loader
+    # backends of transformers' quantized KV cache usable here, best first (None: no quantized cache)
+    kv_backends: tuple[str, ...] | None = None
+    # (name, samples, tokens) of the batch a training loop of the cell held when it failed
+    batch_shape: tuple[str, int, int] | None = None
 
     @property
     def failing_line(self) -> int | None:

@@ -10,14 +10,15 @@ serves: a cell ran out of memory *without* ``%%gpumem``, and its traceback keeps
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import types
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .context import IPYTHON_NAME, SKIPPED_TYPES, Storages, held_by
 from .findings import Pin
+from .holdings import SKIPPED_TYPES, Reader, Storages, held_by, ipython_name
 
 # IPython's output history: `_`, `__`, `___` and `_N`.
 _OUTPUT_NAME = ("_", "__", "___")
@@ -37,11 +38,12 @@ def find_pins(shell: Any, device: str, exclude: BaseException | None = None) -> 
         if not found:
             return ()
         claimed: set[int] = set()
+        reader = Reader(where)
         for name, value in list(ns.items()):
-            if IPYTHON_NAME.fullmatch(name) or isinstance(value, SKIPPED_TYPES + _PIN_TYPES):
+            if reader.skipped(value) or isinstance(value, _PIN_TYPES) or ipython_name(name):
                 continue
             with contextlib.suppress(Exception):
-                claimed.update(held_by(name, value, where)[1])
+                claimed.update(reader.held_by(name, value)[1])
         pins = []
         for holder, chain, storages in found:
             mine = {p: n for p, n in storages.items() if p not in claimed}
@@ -78,7 +80,8 @@ def _holders(shell: Any, where: Any, exclude: BaseException | None) -> Iterator[
         if name in ns:
             yield name, f"{name} (IPython's last outputs)", _storages(ns[name], where)
     for name, value in list(ns.items()):
-        if IPYTHON_NAME.fullmatch(name):
+        # Most values are none of the kinds below: one lookup per type (benchmarks/scan_cost.py).
+        if not _may_pin(type(value)) or ipython_name(name):
             continue
         if isinstance(value, BaseException) and id(value) not in seen:
             seen.add(id(value))
@@ -95,6 +98,13 @@ def _holders(shell: Any, where: Any, exclude: BaseException | None) -> Iterator[
                 with contextlib.suppress(ValueError):  # an empty cell
                     inner = cell_.cell_contents
                     yield name, f"{name} (a closure) → free variable '{var}'", _storages(inner, where)
+
+
+@functools.lru_cache(maxsize=1024)
+def _may_pin(tp: type) -> bool:
+    """Whether values of ``tp`` can pin memory out of sight: exceptions, tracebacks, generators and
+    coroutines, functions (their closures)."""
+    return issubclass(tp, (*_PIN_TYPES, types.FunctionType))
 
 
 def _belongs(tb: types.TracebackType, exc: BaseException | None) -> bool:

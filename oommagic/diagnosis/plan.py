@@ -26,9 +26,11 @@ _TIER = {
     "eval_batch": 0,
     "split_generate": 0,
     "checkpointing": 0,
+    "logits_to_keep": 0,
     "autocast": 1,
     "quantize": 1,
     "kv_cache": 1,
+    "quantized_cache": 1,
     "truncate": 2,
     "max_new_tokens": 2,
     "num_beams": 2,
@@ -63,7 +65,7 @@ class PlanEntry:
         tiers = [_TIER.get(r.kind, 2) for r in self.fixes]
         for i, r in enumerate(self.fixes):
             # Cutting only the outlier samples that made one step fail changes less than a smaller batch.
-            if r.kind == "truncate" and r.params.get("outlier"):
+            if r.kind in ("truncate", "skip_long") and r.params.get("outlier"):
                 tiers[i] = 0
             if r.kind == "batch":
                 tiers.append(0 if r.params.get("keeps_effective", False) else 2)

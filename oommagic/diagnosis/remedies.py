@@ -7,23 +7,30 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from ..sizes import format_bytes as fmt
-from .findings import DiagnosisContext, Figures, Remedy
+from .findings import DiagnosisContext, EvalLoader, Figures, Remedy
 from .rewrite import (
     accumulate_loops,
     accumulates,
     changed_lines,
     default_dtype_source,
     insert_after_assignment,
+    keep_last_logits_source,
     keep_numbers_source,
     load_source,
     no_grad_source,
+    pass_hook_loader,
+    quantized_cache_source,
+    rebuild_loader,
     rewrite_batch,
     set_call_keyword,
     set_literal,
+    skip_long_source,
     split_generate_source,
+    truncate_source,
 )
 from .source import (
     BatchGuess,
@@ -32,6 +39,8 @@ from .source import (
     checkpoints,
     eval_batch_literal,
     kept_sites,
+    last_logits_calls,
+    loop_batches,
     names_read,
     tokenizer_calls,
     tree_of,
@@ -401,12 +410,9 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
             source = set_call_keyword(source, func, p["keyword"], p["new"]) or source
         return source
     if remedy.kind == "truncate":
-        for func in tokenizer_calls(source):
-            cut = set_call_keyword(source, func, "truncation", True)
-            source = (
-                cut and set_call_keyword(cut, func, "max_length", p["max_length"], replace=False)
-            ) or source
-        return source
+        return truncate_source(source, p["max_length"]) or source
+    if remedy.kind == "skip_long":
+        return skip_long_source(source, p["name"], p["max_length"]) or source
     if remedy.kind == "keep_numbers":
         return keep_numbers_source(source) or source
     if remedy.kind == "no_grad":
@@ -429,8 +435,14 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return load_source(source, {"device_map": '"auto"', "max_memory": mem}) or source
     if remedy.kind == "split_generate":
         return split_generate_source(source, p["chunk"]) or source
+    if remedy.kind == "quantized_cache":
+        return quantized_cache_source(source, p["cache_config"]) or source
     if remedy.kind == "kv_cache":
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
+    if remedy.kind == "logits_to_keep":
+        return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
+    if remedy.kind == "eval_batch" and p.get("loader"):
+        return loader_source(source, EvalLoader(**p["loader"]), p["new"]) or source
     if remedy.kind == "eval_batch":
         node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
         return (set_literal(source, node, p["new"]) if node is not None else None) or source
@@ -613,15 +625,25 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
 
 
 def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) -> Remedy:
-    """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is."""
+    """The evaluation batch ``batch`` set to ``new``; the training batch stays as it is. Where the loader is
+    made outside the cell (a Lightning hook or loader variable of an earlier cell), the cell passes the
+    trainer one with the new batch size."""
     node = eval_batch_literal(ctx.source, batch)
     new_source = set_literal(ctx.source, node, new) if node is not None else None
+    outside = _outside_loader(ctx, batch)
+    if outside is not None:
+        new_source = loader_source(ctx.source, outside, new)
     saving = fig.activations * (batch.value - new) // batch.value if fig.activations else None
     why = (
         f"The failure came in an evaluation, whose memory scales with its own batch ({batch.name} of "
         f"{batch.owner}); the training batch is left as it is. Evaluation results do not depend on its "
         "batch size."
     )
+    if outside is not None:
+        why += (
+            f" {batch.owner} is made in an earlier cell: this cell passes the trainer a loader like it with "
+            f"batch_size={new} (or change it there and run that cell again)."
+        )
     if batch.name == "per_device_eval_batch_size":
         why += (
             " Where the predictions pile up on the GPU until the end of the evaluation, "
@@ -635,9 +657,34 @@ def eval_batch(ctx: DiagnosisContext, fig: Figures, batch: EvalBatch, new: int) 
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else f"{batch.name}={new}",
         automatic=new_source is not None,
-        params={"name": batch.name, "owner": batch.owner, "old": batch.value, "new": new},
+        params={
+            "name": batch.name,
+            "owner": batch.owner,
+            "old": batch.value,
+            "new": new,
+            **({"loader": asdict(outside)} if outside is not None else {}),
+        },
         new_source=new_source,
     )
+
+
+def _outside_loader(ctx: DiagnosisContext, batch: EvalBatch) -> EvalLoader | None:
+    """The Lightning loader made outside the cell whose batch ``batch`` is, if it is one."""
+    loader = ctx.eval_loader
+    if loader is None:
+        return None
+    if loader.variable is not None and batch.owner == loader.variable:
+        return loader
+    if loader.source and batch.owner == f"{loader.owner}.{loader.hook}":
+        return loader
+    return None
+
+
+def loader_source(source: str, loader: EvalLoader, batch_size: int) -> str | None:
+    """The cell passing the trainer the loader of ``loader`` (made outside the cell) with ``batch_size``."""
+    if loader.variable is not None and loader.keyword is not None:
+        return rebuild_loader(source, loader.keyword, loader.variable, batch_size)
+    return pass_hook_loader(source, loader.hook, loader.source, batch_size)
 
 
 def free_pinned(fig: Figures, pinned: int, holders: list[str]) -> Remedy:
@@ -858,25 +905,143 @@ def kv_cache_offload(ctx: DiagnosisContext, fig: Figures, saving: int | None) ->
     )
 
 
+# Bytes of one cached value by backend: quanto and hqq store 4 bits (cache_config nbits=4), fp8 one byte.
+_QUANTIZED_BYTES = {"quanto": 0.5, "hqq": 0.5, "fp8": 1.0}
+_BACKEND_PACKAGE = {"quanto": "optimum-quanto", "hqq": "hqq"}
+
+
+def quantized_cache_config(backend: str) -> str:
+    """The ``cache_config`` of transformers' quantized cache for ``backend``, as source text."""
+    return '{"backend": "fp8"}' if backend == "fp8" else f'{{"backend": "{backend}", "nbits": 4}}'
+
+
+def kv_cache_quantized(ctx: DiagnosisContext, fig: Figures, activations: int | None) -> Remedy:
+    """transformers' quantized KV cache in the cell's ``generate`` calls, with the best backend installed;
+    where none is, the install line (and no button)."""
+    backends = ctx.kv_backends or ()
+    backend = backends[0] if backends else "quanto"
+    config = quantized_cache_config(backend)
+    new_source = quantized_cache_source(ctx.source, config) if backends else None
+    dtype = next((m.dtype for m in ctx.models if m.is_hf), None) or (
+        ctx.models[0].dtype if ctx.models else "float32"
+    )
+    element = ELEMENT_SIZE.get(dtype, 4)
+    kept = _QUANTIZED_BYTES[backend] / element
+    # An upper bound: the cache is part of what grew; the layer being run is dequantized in full.
+    saving = int(activations * (1 - kept)) if activations else None
+    what = "8-bit floats" if backend == "fp8" else "4-bit integers"
+    why = (
+        f"transformers keeps the KV cache in {what} ({kept:.0%} of the {dtype} values' bytes) and "
+        "dequantizes one layer at a time as it runs: generation is slower and its numbers change slightly. "
+        "The saving is an upper bound."
+    )
+    install = _BACKEND_PACKAGE.get(backend)
+    if not backends:
+        why += f" No backend is installed in this kernel: `pip install {install}`, restart, then retry."
+    code = (
+        changed_lines(ctx.source, new_source)
+        if new_source
+        else f"%pip install {install}\n# after a kernel restart:\n"
+        f'model.generate(..., cache_implementation="quantized", cache_config={config})'
+    )
+    return _made(
+        fig,
+        "quantized_cache",
+        f"Quantized KV cache ({backend})"
+        if backends
+        else f"Quantized KV cache: first `pip install {install}`",
+        why,
+        saving,
+        code=code,
+        automatic=new_source is not None,
+        params={"backend": backend, "cache_config": config},
+        new_source=new_source,
+    )
+
+
 def truncate(
     ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int = 512, outlier: bool = False
 ) -> Remedy:
-    """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays)."""
-    source = ctx.source
-    for func in tokenizer_calls(ctx.source):
-        cut = set_call_keyword(source, func, "truncation", True)
-        source = (cut and set_call_keyword(cut, func, "max_length", max_length, replace=False)) or source
-    new_source = source if source != ctx.source else None
+    """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays), or
+    where it has none, its collators wrapped to cut the samples before they are padded."""
+    new_source = truncate_source(ctx.source, max_length)
+    collators = new_source is not None and not tokenizer_calls(ctx.source)
+    why = f"Inputs longer than {max_length} tokens are cut to that length: pick the length your task needs."
+    if collators:
+        why += (
+            " The cell tokenizes nowhere, so its collator is wrapped to cut each sample before padding (a "
+            "collator pads, it never cuts: `DataCollatorWithPadding(max_length=...)` only sets the padded "
+            "length); better still, tokenize with `truncation=True` where the dataset is made."
+        )
     return _made(
         fig,
         "truncate",
         f"Truncate inputs to {max_length} tokens",
-        f"Inputs longer than {max_length} tokens are cut to that length: pick the length your task needs.",
+        why,
         saving,
         code=changed_lines(ctx.source, new_source)
         if new_source
         else f"tokenizer(texts, truncation=True, max_length={max_length})",
         automatic=new_source is not None,
         params={"max_length": max_length, "outlier": outlier},
+        new_source=new_source,
+    )
+
+
+def skip_long(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_length: int) -> Remedy | None:
+    """The cell's training loop skipping the batches longer than ``max_length`` tokens (where the loop
+    binds its batch to a name); None where it has no such loop."""
+    names = [ctx.batch_shape[0]] if ctx.batch_shape is not None else loop_batches(ctx.source)
+    name, new_source = next(
+        ((n, new) for n in names if (new := skip_long_source(ctx.source, n, max_length))), (None, None)
+    )
+    if new_source is None:
+        return None
+    why = (
+        f"Batches whose samples are longer than {max_length} tokens are left out of training, whole: the "
+        "others train as before, on what they held. Truncating instead keeps the long samples' first "
+        f"{max_length} tokens."
+    )
+    return _made(
+        fig,
+        "skip_long",
+        f"Skip batches longer than {max_length} tokens",
+        why,
+        saving,
+        code=changed_lines(ctx.source, new_source),
+        automatic=True,
+        params={"name": name, "max_length": max_length, "outlier": True},
+        new_source=new_source,
+    )
+
+
+# --- one request larger than the budget ------------------------------------------------------------------
+
+
+def logits_to_keep(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
+    """``logits_to_keep=1`` in the cell's calls of the model whose logits it reads only at the last
+    position, where the failed request is those logits and the model's forward takes the keyword; None
+    otherwise."""
+    req = ctx.request
+    if req is None or not req.logits or req.keep_keyword is None:
+        return None
+    models = {m.name.split(".", 1)[0].split("[", 1)[0] for m in ctx.models}
+    calls = tuple(c for c in last_logits_calls(ctx.source) if not models or c.split(".", 1)[0] in models)
+    new_source = keep_last_logits_source(ctx.source, calls, req.keep_keyword) if calls else None
+    if new_source is None:
+        return None
+    positions = dict(zip(req.dims, req.shape, strict=False)).get("sequence")
+    saving = req.bytes - req.bytes // positions if positions else None
+    return _made(
+        fig,
+        "logits_to_keep",
+        f"Only the last position's logits ({req.keep_keyword}=1)",
+        f"The cell reads the logits only at the last position (`[:, -1]`), yet {req.model or 'the model'} "
+        f"computes them for all {positions or 'the'} positions; with `{req.keep_keyword}=1` it computes "
+        "that one position's: the same values, a sequence-length fraction of the memory.",
+        saving,
+        code=changed_lines(ctx.source, new_source),
+        automatic=True,
+        params={"calls": list(calls), "keyword": req.keep_keyword},
         new_source=new_source,
     )

@@ -179,6 +179,15 @@ def set_call_keyword(
     return _checked(_apply(source, edits))
 
 
+def keep_last_logits_source(source: str, calls: tuple[str, ...], keyword: str) -> str | None:
+    """The cell with ``keyword=1`` (``logits_to_keep``) in every call to ``calls``: the model computes the
+    logits of the last position only. None where nothing changes."""
+    new = source
+    for func in calls:
+        new = set_call_keyword(new, func, keyword, 1) or new
+    return new if new != source else None
+
+
 def insert_after_assignment(source: str, name: str, statement: str) -> str | None:
     """Return the cell with ``statement`` on its own line after the last top-level assignment to
     ``name`` (``model = AutoModel...`` → ``model.gradient_checkpointing_enable()`` below it); None when
@@ -478,6 +487,14 @@ def generate_in_chunks(generate, chunk, *args, **kwargs):
 '''
 
 
+def quantized_cache_source(source: str, config: str) -> str | None:
+    """The cell's ``generate`` calls with transformers' quantized KV cache: ``cache_implementation=
+    "quantized"`` and ``cache_config`` (source text, ``{"backend": "fp8"}``). None where the cell makes no
+    such call."""
+    new = set_call_keyword(source, "generate", "cache_implementation", "quantized")
+    return set_call_keyword(new, "generate", "cache_config", Code(config)) if new else None
+
+
 def split_generate_source(source: str, chunk: int) -> str | None:
     """The cell with each ``X.generate(...)`` call run over slices of ``chunk`` prompts one after another
     (``generate_in_chunks(X.generate, chunk, ...)``, defined at the top of the cell). None where the cell
@@ -503,3 +520,188 @@ def split_generate_source(source: str, chunk: int) -> str | None:
         edits.append((start, open_paren + 1, f"generate_in_chunks({func}, {chunk}{rest}"))
     body = _apply(source, edits)
     return _checked(CHUNKED_GENERATE + "\n\n" + body)
+
+
+def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) -> str | None:
+    """The cell passing, where it passes the loader ``variable`` by ``keyword``, a new one over the same
+    data with ``batch_size`` (``dataloaders=val_loader`` → ``dataloaders=torch.utils.data.DataLoader(
+    val_loader.dataset, batch_size=128, collate_fn=val_loader.collate_fn, num_workers=val_loader.
+    num_workers)``). None where the cell does not pass it so."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    new = (
+        f"torch.utils.data.DataLoader({variable}.dataset, batch_size={batch_size}, "
+        f"collate_fn={variable}.collate_fn, num_workers={variable}.num_workers)"
+    )
+    edits = [
+        (*src.span(k.value), new)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for k in node.keywords
+        if k.arg == keyword and isinstance(k.value, ast.Name) and k.value.id == variable
+    ]
+    if not edits:
+        return None
+    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    return _checked(("" if named else "import torch\n") + _apply(source, edits))
+
+
+def pass_hook_loader(source: str, hook: str, hook_source: str, batch_size: int) -> str | None:
+    """The cell with the loader that ``hook`` (a LightningModule's ``val_dataloader``, defined in an
+    earlier cell: ``hook_source``) returns, its ``batch_size=`` set to ``batch_size``, passed to the
+    trainer's call that would read the hook (``trainer.validate(model)`` →
+    ``trainer.validate(model, dataloaders=DataLoader(model.ds, batch_size=128))``). ``self`` in the hook
+    becomes the model the call is given. None where the hook is more than one ``return`` of an expression,
+    or the cell's call passes loaders or a datamodule already."""
+    from .source import lightning_calls
+
+    hook_tree = tree_of(hook_source)
+    tree = tree_of(source)
+    if hook_tree is None or tree is None:
+        return None
+    func = next(
+        (
+            n
+            for n in ast.walk(hook_tree)
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == hook
+        ),
+        None,
+    )
+    if func is None:
+        return None
+    body = [s for s in func.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], ast.Return) or body[0].value is None:
+        return None
+    returned = body[0].value
+    hook_src = SourceText(hook_source)
+    literal = next(
+        (
+            k.value
+            for c in ast.walk(returned)
+            if isinstance(c, ast.Call) and dotted_name(c.func).endswith("DataLoader")
+            for k in c.keywords
+            if k.arg == "batch_size" and int_literal(k.value) is not None
+        ),
+        None,
+    )
+    if literal is None:
+        return None
+    selves = [n for n in ast.walk(returned) if isinstance(n, ast.Name) and n.id == "self"]
+    src = SourceText(source)
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        keyword = next((kw for method, kw in lightning_calls(hook) if node.func.attr == method), None)
+        passed = {k.arg for k in node.keywords}
+        model = (
+            node.args[0] if node.args else next((k.value for k in node.keywords if k.arg == "model"), None)
+        )
+        if keyword is None or keyword in passed or "datamodule" in passed or len(node.args) > 1:
+            continue
+        if not isinstance(model, (ast.Name, ast.Attribute)) or "?" in dotted_name(model):
+            continue
+        start, _ = hook_src.span(returned)
+        loader_edits = [(*hook_src.span(literal), str(batch_size))]
+        loader_edits += [(*hook_src.span(n), src.segment(model)) for n in selves]
+        text = _apply(hook_source, loader_edits)
+        shift = len(text) - len(hook_source)
+        expr = text[start : hook_src.span(returned)[1] + shift]
+        if "\n" in expr:
+            expr = " ".join(line.strip() for line in expr.splitlines())
+        edits.append(_insert_keyword(src, node, f"{keyword}={expr}"))
+    return _checked(_apply(source, edits)) if edits else None
+
+
+# --- long samples -------------------------------------------------------------------------------------
+
+TRUNCATED_COLLATE = '''\
+def truncated(collate, max_length):
+    """`collate` with each sample's token lists cut to `max_length` first (a collator pads; it never cuts)."""
+    keys = ("input_ids", "attention_mask", "token_type_ids", "labels", "special_tokens_mask")
+
+    def collate_cut(features):
+        cut = [{k: v[:max_length] if k in keys else v for k, v in f.items()} if hasattr(f, "items") else f
+               for f in features]
+        return collate(cut)
+
+    return collate_cut
+'''
+
+TOO_LONG = '''\
+def too_long(batch, max_length):
+    """Whether a batch of token ids (a tensor, or a mapping with input_ids) is longer than `max_length`."""
+    ids = batch["input_ids"] if hasattr(batch, "keys") else batch
+    return ids.shape[-1] > max_length
+'''
+
+# Where a collator goes: a DataLoader's `collate_fn=`, a transformers Trainer's `data_collator=`.
+_COLLATOR_KEYWORDS = ("collate_fn", "data_collator")
+
+
+def truncate_source(source: str, max_length: int) -> str | None:
+    """The cell with its inputs cut to ``max_length`` tokens: ``truncation=True, max_length=N`` in its
+    tokenizer calls (an existing max_length stays); where it has none, each collator it passes
+    (``collate_fn=``, ``data_collator=``) wrapped to cut the samples before padding them. None where the
+    cell has neither."""
+    from .source import tokenizer_calls
+
+    new = source
+    for func in tokenizer_calls(source):
+        cut = set_call_keyword(new, func, "truncation", True)
+        new = (cut and set_call_keyword(cut, func, "max_length", max_length, replace=False)) or new
+    if new != source:
+        return new
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    edits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg in _COLLATOR_KEYWORDS and not _calls(kw.value, "truncated"):
+                    edits.append((*src.span(kw.value), f"truncated({src.segment(kw.value)}, {max_length})"))
+    if not edits:
+        return None
+    return _checked(TRUNCATED_COLLATE + "\n\n" + _apply(source, edits))
+
+
+def _calls(node: ast.expr, name: str) -> bool:
+    return isinstance(node, ast.Call) and dotted_name(node.func) == name
+
+
+def skip_long_source(source: str, name: str, max_length: int) -> str | None:
+    """The cell with each training loop skipping the batches longer than ``max_length`` tokens: ``if
+    too_long(name, N): continue`` right after the loop binds ``name`` (its target, or an assignment in its
+    body), with ``too_long`` defined at the top of the cell. None where no training loop binds ``name``."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and _trains_in(n)]
+    edits = []
+    for loop in loops:
+        bound = next(
+            (
+                s
+                for s in loop.body
+                if isinstance(s, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == name for t in s.targets)
+            ),
+            None,
+        )
+        first = loop.body[0]
+        indent = src.lines[first.lineno - 1][: first.col_offset]
+        guard = f"{indent}if too_long({name}, {max_length}):\n{indent}    continue\n"
+        if bound is not None:
+            at = src.starts[bound.end_lineno] if bound.end_lineno < len(src.lines) else len(source)
+            edits.append((at, at, guard))
+        elif isinstance(loop.target, ast.Name) and loop.target.id == name:
+            at = src.starts[first.lineno - 1]
+            edits.append((at, at, guard))
+    if not edits:
+        return None
+    return _checked(TOO_LONG + "\n\n" + _apply(source, edits))

@@ -20,7 +20,7 @@ from ..timeline import Timeline
 from . import remedies as fix
 from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, figures
 from .remedies import MARGIN
-from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read
+from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read, tokenizer_calls
 
 __all__ = [
     "BatchGuess",
@@ -202,7 +202,7 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     if single:
         parts.append(
             f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}{_where(ctx)}: "
-            + _request_knob(ctx)
+            + (_request_words(ctx) if ctx.request is not None else _request_knob(ctx))
         )
     if state_too_large:
         each = ", ".join(_state_words(m) for m in ctx.models)
@@ -213,6 +213,7 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
         # The one request scales with the batch that made it: the evaluation's where it failed there.
         shrink, _ = _eval_batch_remedy(ctx, fig) if ctx.evaluating else _batch_remedy(ctx, fig, fig.training)
         remedies.append(shrink)
+        remedies.extend(_request_remedies(ctx, fig))
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
 
 
@@ -275,6 +276,47 @@ def _request_knob(ctx: DiagnosisContext) -> str:
             "needed (generation, scoring), shorter sequences, or a chunked loss make it smaller"
         )
     return "shrink what makes it (batch, sequence length) or compute it in chunks"
+
+
+def _request_words(ctx: DiagnosisContext) -> str:
+    """What the failing frames say the one request was (its operation, shape and dtype) and the knobs
+    that shrink it, from the dimensions they name."""
+    r = ctx.request
+    assert r is not None
+    text = ("the logits, " if r.logits else "") + r.op
+    text += f" of {r.model}" if r.model and r.model not in r.op else ""
+    text += f": {r.shape_words()}, {fmt(r.bytes)}. Made smaller by "
+    sizes = dict(zip(r.dims, r.shape, strict=False))
+    knobs = []
+    if r.logits and r.keep_keyword:
+        knobs.append(
+            f"`{r.keep_keyword}=1` where only the last position's logits are read (scoring, the next token)"
+        )
+    if "batch" in sizes or "batch·sequence" in sizes:
+        batch = "the evaluation batch" if ctx.evaluating else "fewer samples at a time"
+        knobs.append(batch + (f" (now {sizes['batch']:,})" if "batch" in sizes else ""))
+    if "sequence" in sizes or "batch·sequence" in sizes:
+        knobs.append(
+            "shorter sequences" + (f" (now {sizes['sequence']:,} tokens)" if "sequence" in sizes else "")
+        )
+    if r.logits and ctx.training:
+        knobs.append("a chunked loss (a fused linear cross-entropy computes the logits a slice at a time)")
+    if not knobs:
+        knobs.append("computing it in chunks")
+    return text + (", ".join(knobs[:-1]) + " or " + knobs[-1] if len(knobs) > 1 else knobs[0])
+
+
+def _request_remedies(ctx: DiagnosisContext, fig: Figures) -> list[Remedy | None]:
+    """The fixes that shrink the one request the failing frames name: its logits kept at the last
+    position only, its sequences truncated by the cell's tokenizer calls."""
+    r = ctx.request
+    if r is None:
+        return []
+    out = [fix.logits_to_keep(ctx, fig)]
+    positions = dict(zip(r.dims, r.shape, strict=False)).get("sequence")
+    if positions and positions > TRUNCATE_TO and not ctx.has_truncation and tokenizer_calls(ctx.source):
+        out.append(fix.truncate(ctx, fig, r.bytes * (positions - TRUNCATE_TO) // positions, TRUNCATE_TO))
+    return out
 
 
 def _state_words(m: ModelInfo) -> str:
@@ -346,23 +388,25 @@ def _batch_is_the_evaluations(ctx: DiagnosisContext, fig: Figures) -> bool:
     return not (fig.training or ctx.trains)
 
 
-# Decorators' inner functions: a frame of one says nothing a person recognises.
-_GLUE = frozenset({"wrapper", "wrapped", "inner", "decorate_context", "decorated", "wrapped_func", "fn", "f"})
-
-
 def _where(ctx: DiagnosisContext) -> str:
     """' (line 7 of the cell, in evaluation_loop())' from the failing frames."""
     line = ctx.failing_line
     last = max((i for i, f in enumerate(ctx.frames) if f.in_cell), default=None)
     # The first library function the cell called there: the one a person recognises.
     after = ctx.frames[last + 1 :] if last is not None else ()
-    inner = next(
-        (f.function for f in after if not f.function.startswith(("_", "<")) and f.function not in _GLUE),
-        None,
-    )
+    inner = next((f.function for f in after if not _plumbing(f.function)), None)
     parts = [f"line {line} of the cell" if line else "", f"in {inner}()" if inner else ""]
     text = ", ".join(p for p in parts if p)
     return f" ({text})" if text else ""
+
+
+# Decorators' inner functions (transformers' `can_return_tuple`, `deprecate_kwarg`, torch's no_grad):
+# not what a person called.
+_WRAPPERS = frozenset({"wrapper", "wrapped_func", "wrapped", "inner", "decorate_context"})
+
+
+def _plumbing(function: str) -> bool:
+    return function.startswith(("_", "<")) or function in _WRAPPERS
 
 
 def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
@@ -501,21 +545,29 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     remedies = []
     # The prompts outweigh what is generated: their prefill (every prompt at once) is the peak, and fewer
     # new tokens shorten only the smaller part of the cache.
-    prefill = bool(ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens)
+    # The error came in transformers' `_prefill`: no new token existed yet, nor any cache beyond the prompts'.
+    in_prefill = any(f.function == "_prefill" and not f.in_cell for f in ctx.frames)
+    prefill = in_prefill or bool(
+        ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens
+    )
     if ctx.prompt_batch and ctx.prompt_batch >= 2:
         chunk = ctx.prompt_batch // 2
         saving = act * (ctx.prompt_batch - chunk) // ctx.prompt_batch if act else None
         remedies.append(fix.split_generate(ctx, fig, ctx.prompt_batch, chunk, saving))
-    if ctx.device.startswith("cuda") and _version_at_least(ctx.transformers_version, (4, 45)):
-        cache = (
-            act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
-        )
+    cache = act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
+    if (
+        not in_prefill
+        and ctx.device.startswith("cuda")
+        and _version_at_least(ctx.transformers_version, (4, 45))
+    ):
         remedies.append(fix.kv_cache_offload(ctx, fig, cache))
+    if not in_prefill and ctx.kv_backends is not None:
+        remedies.append(fix.kv_cache_quantized(ctx, fig, act))
     if ctx.max_new_tokens and ctx.max_new_tokens >= 2 and not prefill:
         old, new = ctx.max_new_tokens, ctx.max_new_tokens // 2
         saving = act * (old - new) // (prompt + old) if act else None
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
-    elif ctx.max_new_tokens is None:
+    elif ctx.max_new_tokens is None and not in_prefill:
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", None, 256, None))
     if ctx.num_beams and ctx.num_beams > 1:
         saving = act * (ctx.num_beams - 1) // ctx.num_beams if act else None
@@ -532,7 +584,21 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         cut = prompt - TRUNCATE_TO  # unknown prompts (0): no saving to promise
         saving = act * cut // (prompt + (ctx.max_new_tokens or 0)) if act and cut > 0 else None
         remedies.append(fix.truncate(ctx, fig, saving, TRUNCATE_TO))
-    if prefill:
+    if in_prefill:
+        prompts = f"all {ctx.prompt_batch} prompts" if ctx.prompt_batch else "the prompts"
+        tokens = f" of {ctx.prompt_tokens} tokens" if ctx.prompt_tokens else ""
+        several = bool(ctx.prompt_batch and ctx.prompt_batch >= 2)
+        knob = (
+            "generating fewer prompts at a time does, as do shorter prompts"
+            if several
+            else "shorter prompts do"
+        )
+        note += (
+            f" The error came in the prefill (`_prefill` in the traceback), where {prompts}{tokens} go "
+            "through the model at once before any new token exists: fewer new tokens or a smaller KV cache "
+            f"cannot make it fit; {knob}."
+        )
+    elif prefill:
         note += (
             f" The {ctx.prompt_tokens}-token prompts are longer than the {ctx.max_new_tokens} new tokens: "
             f"the prefill of all {ctx.prompt_batch or 'the'} prompts at once is the peak, so fewer new "
@@ -694,12 +760,29 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
         return None
     evidence = (
         f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
-        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples. "
-        "`oommagic.lengths.plot_lengths(texts_or_token_ids)` draws the lengths with the cut-off and the "
+        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples."
+    )
+    if ctx.batch_shape is not None:
+        name, samples, tokens = ctx.batch_shape
+        evidence += f" The batch it failed on, `{name}`, is {samples} × {tokens:,} tokens."
+    evidence += (
+        " `oommagic.lengths.plot_lengths(texts_or_token_ids)` draws the lengths with the cut-off and the "
         "outliers marked; `summarize_lengths` says what truncating there saves."
     )
-    remedy = fix.truncate(ctx, fig, fig.demand - median, outlier=True)
-    return _finding("long_samples", "An unusually long batch", evidence, [remedy], fig)
+    cut = _length_cut(ctx)
+    # Leaving the long batches out, or cutting them, saves what the failing step needed beyond the others.
+    saving = fig.demand - median
+    remedies = [fix.skip_long(ctx, fig, saving, cut), fix.truncate(ctx, fig, saving, cut, outlier=True)]
+    return _finding("long_samples", "An unusually long batch", evidence, remedies, fig)
+
+
+def _length_cut(ctx: DiagnosisContext) -> int:
+    """The length long samples are cut to or left out above: ``TRUNCATE_TO``, or where the failing batch
+    was no longer than that, half its length (in multiples of 64 tokens)."""
+    tokens = ctx.batch_shape[2] if ctx.batch_shape is not None else None
+    if tokens is None or tokens > TRUNCATE_TO:
+        return TRUNCATE_TO
+    return max(tokens // 2 // 64 * 64, 64) if tokens >= 128 else max(tokens // 2, 1)
 
 
 def _reserved_churn(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:

@@ -457,6 +457,33 @@ def tokenizer_calls(source: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
+def loop_batches(source: str) -> list[str]:
+    """The names a training loop of the cell (a ``for`` whose body calls ``.backward()``) binds its batch
+    to: those it assigns a tokenizer call's result (``ids = tokenizer(texts)``), then its target (``for
+    batch in loader``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return []
+    tokenizers = set(tokenizer_calls(source))
+    found: list[str] = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For) or not any(
+            isinstance(n, ast.Attribute) and n.attr == "backward" for n in ast.walk(loop)
+        ):
+            continue
+        for stmt in loop.body:
+            called = (
+                dotted_name(stmt.value.func)
+                if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Call)
+                else ""
+            )
+            if called in tokenizers:
+                found.extend(t.id for t in stmt.targets if isinstance(t, ast.Name))
+        if isinstance(loop.target, ast.Name):
+            found.append(loop.target.id)
+    return list(dict.fromkeys(found))
+
+
 def names_read(source: str) -> set[str]:
     """Names whose value from before the cell the cell reads: read on or before the line that first
     assigns them (a name the cell builds afresh is not among them). Every identifier if the cell does not
@@ -536,6 +563,15 @@ def keyword_value(source: str, keyword: str, ints: dict[str, int] | None = None)
     return None
 
 
+def keyword_name(source: str, keyword: str) -> str | None:
+    """The name passed as ``keyword=`` in a call of the cell (``dm`` of ``datamodule=dm``), if any."""
+    tree = tree_of(source)
+    for site in binding_sites(tree) if tree is not None else ():
+        if site.name == keyword and site.call is not None and isinstance(site.value, ast.Name):
+            return site.value.id
+    return None
+
+
 def passes_true(source: str, keyword: str) -> bool:
     """Whether some call in the cell passes ``keyword=`` something other than False/None/0."""
     tree = tree_of(source)
@@ -589,6 +625,72 @@ def generate_inputs(source: str) -> list[tuple[str, str | None]]:
     spread = [k.value for k in node.keywords if k.arg is None]
     pairs = [(e, None) for e in given] + [(e, "input_ids") for e in spread]
     return [(e.id, key) for e, key in pairs if isinstance(e, ast.Name)]
+
+
+def last_logits_calls(source: str) -> tuple[str, ...]:
+    """The called names (``model``) of the calls whose logits the cell reads only at the last position:
+    ``model(ids).logits[:, -1]``, or ``out = model(ids)`` with every ``out.logits`` read as
+    ``out.logits[:, -1]``. A name also called where all its logits are read is left out."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    assigned: dict[str, list[ast.Call]] = {}
+    for node in ast.walk(tree):
+        one = isinstance(node, ast.Assign) and len(node.targets) == 1
+        if one and isinstance(node.value, ast.Call) and isinstance(node.targets[0], ast.Name):
+            assigned.setdefault(node.targets[0].id, []).append(node.value)
+    reads: dict[int, list[ast.expr]] = {}  # id(call) -> the expressions that read its result
+    for name, calls in assigned.items():
+        loads = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+        ]
+        for call in calls:
+            reads[id(call)] = loads
+    good: dict[str, bool] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        dotted = dotted_name(node.func)
+        uses = reads.get(id(node), [node])
+        logits = [parents.get(u) for u in uses]
+        if not any(isinstance(p, ast.Attribute) and p.attr == "logits" for p in logits):
+            continue  # its logits are not read here (or not through `.logits`)
+        last = all(
+            isinstance(p, ast.Attribute) and p.attr == "logits" and _last_position(parents.get(p), p)
+            for p in logits
+        )
+        good[dotted] = good.get(dotted, True) and last and "?" not in dotted
+    return tuple(name for name, ok in good.items() if ok)
+
+
+def _last_position(node: ast.AST | None, value: ast.AST) -> bool:
+    """Whether ``node`` subscripts ``value`` at the last position of its second dimension:
+    ``[:, -1]``, ``[:, -1, :]``, ``[:, -1:]``, ``[0, -1]``."""
+    if (
+        not isinstance(node, ast.Subscript)
+        or node.value is not value
+        or not isinstance(node.slice, ast.Tuple)
+    ):
+        return False
+    elts = node.slice.elts
+    if len(elts) < 2:
+        return False
+    second = elts[1]
+    if isinstance(second, ast.Slice):
+        return second.upper is None and second.step is None and _minus_one(second.lower)
+    return _minus_one(second)
+
+
+def _minus_one(node: ast.expr | None) -> bool:
+    return (
+        isinstance(node, ast.UnaryOp)
+        and isinstance(node.op, ast.USub)
+        and isinstance(node.operand, ast.Constant)
+        and node.operand.value == 1
+    ) or (isinstance(node, ast.Constant) and node.value == -1)
 
 
 # A value kept in these forms holds no device memory and no graph.
@@ -798,6 +900,73 @@ def eval_batch(source: str, line: int | None = None) -> EvalBatch | None:
     return None
 
 
+# Lightning's evaluation calls, the keyword each takes its loaders by, and the hook it reads them from
+# otherwise (the LightningModule's or the DataModule's method).
+_LIGHTNING_STAGES = {
+    "val_dataloader": (("validate", "dataloaders"), ("fit", "val_dataloaders")),
+    "test_dataloader": (("test", "dataloaders"),),
+    "predict_dataloader": (("predict", "dataloaders"),),
+}
+
+
+def passed_loader(source: str, hook: str) -> tuple[str, str | None] | None:
+    """(keyword, the name passed, or None for an expression) where the cell hands the trainer the loaders
+    ``hook`` would make (``trainer.validate(model, dataloaders=val_loader)``); None where it passes none."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            for method, keyword in _LIGHTNING_STAGES.get(hook, ()):
+                passed = next((k.value for k in node.keywords if k.arg == keyword), None)
+                if node.func.attr == method and passed is not None:
+                    return keyword, passed.id if isinstance(passed, ast.Name) else None
+    return None
+
+
+def lightning_eval_batch(source: str, hook: str) -> EvalBatch | None:
+    """The literal ``batch_size=`` of the loader a Lightning evaluation reads in this cell: passed to the
+    trainer's call (``trainer.validate(model, dataloaders=DataLoader(ds, batch_size=256))``, or a loader
+    the cell assigns and passes), else returned by the ``hook`` method (``val_dataloader``) of a class the
+    cell defines. None where the cell sets neither."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        for method, keyword in _LIGHTNING_STAGES.get(hook, ()):
+            passed = next((k.value for k in node.keywords if k.arg == keyword), None)
+            if node.func.attr == method and passed is not None:
+                found = _loader_batch(tree, passed)
+                if found is None:
+                    return None  # passed, but not made here: the hook is not what the trainer reads
+                owner = found.owner if found.owner != "DataLoader" else keyword
+                return EvalBatch(found.name, found.value, owner)
+    return hook_batch(source, hook)
+
+
+def hook_batch(source: str, hook: str) -> EvalBatch | None:
+    """The literal ``batch_size=`` of the ``DataLoader(...)`` that the method ``hook`` in ``source``
+    returns (``def val_dataloader(self): return DataLoader(ds, batch_size=256)``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == hook:
+            for call in ast.walk(node):
+                if isinstance(call, ast.Call) and dotted_name(call.func).rsplit(".", 1)[-1] == "DataLoader":
+                    value = next((int_literal(k.value) for k in call.keywords if k.arg == "batch_size"), None)
+                    if value:
+                        return EvalBatch("batch_size", value, hook)
+    return None
+
+
+def lightning_calls(hook: str) -> tuple[tuple[str, str], ...]:
+    """(trainer method, loader keyword) of the calls that read ``hook``'s loaders."""
+    return _LIGHTNING_STAGES.get(hook, ())
+
+
 def _loader_batch(tree: ast.Module, it: ast.expr) -> EvalBatch | None:
     """The literal ``batch_size=`` of the loader ``it`` (a ``DataLoader(...)`` call, or a name assigned
     one; through ``enumerate``/``tqdm`` wrappers)."""
@@ -838,15 +1007,24 @@ def eval_batch_literal(source: str, batch: EvalBatch) -> ast.expr | None:
                 return site.value
         return None
     for node in ast.walk(tree):
-        call = None
-        if isinstance(node, ast.Assign) and any(
+        calls: list[ast.expr] = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == batch.owner:
+            # A Lightning hook (`def val_dataloader(self): return DataLoader(...)`).
+            calls = [
+                c
+                for c in ast.walk(node)
+                if isinstance(c, ast.Call) and dotted_name(c.func).endswith("DataLoader")
+            ]
+        elif isinstance(node, ast.Call):
+            calls = [k.value for k in node.keywords if k.arg == batch.owner]  # `dataloaders=DataLoader(...)`
+        elif isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == batch.owner for t in node.targets
         ):
-            call = node.value
+            calls = [node.value]
         elif isinstance(node, (ast.For, ast.AsyncFor)) and batch.owner == "DataLoader":
-            call = node.iter
-        if isinstance(call, ast.Call):
-            for kw in call.keywords:
+            calls = [node.iter]
+        for call in calls:
+            for kw in call.keywords if isinstance(call, ast.Call) else ():
                 if kw.arg == batch.name and int_literal(kw.value) == batch.value:
                     return kw.value
     return None

@@ -19,7 +19,18 @@ from .spec import RunSpec
 
 # Kinds whose whole effect is in the rewritten source: nothing to hold while the run executes.
 SOURCE_ONLY = frozenset(
-    {"max_new_tokens", "num_beams", "truncate", "keep_numbers", "no_grad", "eval_batch", "split_generate"}
+    {
+        "max_new_tokens",
+        "num_beams",
+        "truncate",
+        "keep_numbers",
+        "no_grad",
+        "eval_batch",
+        "split_generate",
+        "logits_to_keep",
+        "quantized_cache",
+        "skip_long",
+    }
 )
 
 

@@ -260,3 +260,49 @@ def test_a_statement_goes_after_the_cells_own_assignment():
         "%time x = 1\nmodel = Model(\n    width=4)\nmodel.gradient_checkpointing_enable()\ntrain(model)"
     )
     assert insert_after_assignment("train(model)", "model", "model.x()") is None
+
+
+# --- Lightning's evaluation loaders ---------------------------------------------------------------------
+
+
+def test_a_loader_passed_to_lightnings_validate_is_its_evaluation_batch():
+    from oommagic.diagnosis.rewrite import set_literal
+    from oommagic.diagnosis.source import eval_batch_literal, lightning_eval_batch
+
+    inline = "trainer.validate(model, dataloaders=DataLoader(val_ds, batch_size=256))\n"
+    found = lightning_eval_batch(inline, "val_dataloader")
+    assert (found.name, found.value, found.owner) == ("batch_size", 256, "dataloaders")
+    assert set_literal(inline, eval_batch_literal(inline, found), 128) == inline.replace("256", "128")
+    named = "val_loader = DataLoader(val_ds, batch_size=64)\ntrainer.fit(model, val_dataloaders=val_loader)\n"
+    assert lightning_eval_batch(named, "val_dataloader").owner == "val_loader"
+    assert lightning_eval_batch(named, "test_dataloader") is None  # trainer.test reads another loader
+
+
+def test_an_earlier_cells_val_dataloader_is_passed_by_the_cell_itself():
+    from oommagic.diagnosis.rewrite import pass_hook_loader
+
+    hook = (
+        'def val_dataloader(self):\n    """Validation."""\n'
+        "    return DataLoader(self.val_ds, batch_size=1024)\n"
+    )
+    assert pass_hook_loader("trainer.validate(model)\n", "val_dataloader", hook, 512) == (
+        "trainer.validate(model, dataloaders=DataLoader(model.val_ds, batch_size=512))\n"
+    )
+    # A datamodule or loaders already passed, or a hook that does more than return: nothing to write.
+    assert pass_hook_loader("trainer.validate(model, datamodule=dm)\n", "val_dataloader", hook, 512) is None
+    busy = "def val_dataloader(self):\n    ds = self.ds\n    return DataLoader(ds, batch_size=8)\n"
+    assert pass_hook_loader("trainer.validate(model)\n", "val_dataloader", busy, 4) is None
+
+
+def test_last_position_logits_are_read_through_the_call_or_its_output():
+    from oommagic.diagnosis.rewrite import keep_last_logits_source
+    from oommagic.diagnosis.source import last_logits_calls
+
+    direct = "nxt = model(ids).logits[:, -1].argmax(-1)\n"
+    assert last_logits_calls(direct) == ("model",)
+    assert keep_last_logits_source(direct, ("model",), "logits_to_keep") == direct.replace(
+        "model(ids)", "model(ids, logits_to_keep=1)"
+    )
+    assert last_logits_calls("out = model(**enc)\np = out.logits[:, -1, :].softmax(-1)\n") == ("model",)
+    assert last_logits_calls("out = model(**enc)\np = out.logits.softmax(-1)\n") == ()
+    assert last_logits_calls("a = model(x).logits[:, -1]\nb = model(y).logits\n") == ()
