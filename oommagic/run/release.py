@@ -74,21 +74,22 @@ def free_failed_cell(shell: Any, exc: BaseException, device: str, then_collect: 
     clear_exception(exc)
     if then_collect:
         collect(device)
-        _drop_blas_workspaces(device)
 
 
-def _drop_blas_workspaces(device: str) -> None:
+def drop_new_blas_workspaces(device: str, before: int) -> None:
     """cuBLAS keeps a workspace (32 MiB by default, plus cuBLASLt's) per handle and stream from the
-    allocator, made by the first matrix product: the failed cell may have made it. Let it go with the
-    rest; the next product makes it again in microseconds."""
+    allocator, made by the first matrix product: a failed cell, or the trials of its plan, may have made
+    it. Where more than that stays allocated than before the cell (``before`` bytes), let the workspaces
+    go; the next product makes them again in microseconds. One that was there before the cell stays."""
     torch = sys.modules.get("torch")
     if device == "cpu" or torch is None or not torch.cuda.is_initialized():
         return
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        with contextlib.suppress(Exception):
-            clear()
-            torch.cuda.empty_cache()
+    if clear is None or torch.cuda.memory_allocated() - before < 16 * 2**20:
+        return
+    with contextlib.suppress(Exception):
+        clear()
+        torch.cuda.empty_cache()
 
 
 def free_names(namespace: dict, names: Iterable[str], measure: Callable[[], int] | None = None) -> int:

@@ -17,6 +17,7 @@ from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
 from ..diagnosis.plan import with_measured
 from .fixes import spec_of, spec_with
+from .release import drop_new_blas_workspaces
 from .runner import Attempt, Bounds, RunSpec, execute
 
 # Allocator snapshots kept for "Save snapshot" (each up to the trace's 500k entries).
@@ -62,6 +63,8 @@ class Session:
             # findings' fixes, not measured.
             plan = self._plan(run) if run.ranks is None else _unmeasured(run, "distributed")
             run = replace(run, plan=plan, findings=with_measured(run.findings, plan))
+        if run.outcome == "oom":
+            drop_new_blas_workspaces(run.device, run.recording.before_allocated)
         self._record(run, attempt)
         if run.outcome == "interrupted":
             raise KeyboardInterrupt
