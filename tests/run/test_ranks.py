@@ -163,6 +163,11 @@ def test_forked_ranks_defined_in_the_cell(run_cell):
 
 def test_notebook_launcher(run_cell):
     pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState
+
+    # A Trainer in an earlier test of this process made accelerate's state, which the launcher refuses
+    # ("no cell may initialise an Accelerator"): a notebook that launches starts without one.
+    AcceleratorState._reset_state(reset_partial_state=True)
     _, out = run_cell(
         "%%gpumem --limit 64MiB --device cpu --text\n"
         "from accelerate import notebook_launcher\n"
