@@ -100,6 +100,10 @@ class CudaRecorder:
                 getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
                 self._old_fraction = getter(self.index) if getter else 1.0
                 torch.cuda.set_per_process_memory_fraction(self.limit / self.capacity, self.index)
+                if torch.cuda.memory_reserved(self.index) > self.limit:
+                    # The fraction is checked when a segment is reserved: cached segments beyond the
+                    # limit would let the cell run past a card that could never have held them.
+                    torch.cuda.empty_cache()
             if self.timeline and not torch._C._cuda_isHistoryEnabled():
                 self._skipped = record_history(torch, self.stacks)
                 self._owns_history = True
