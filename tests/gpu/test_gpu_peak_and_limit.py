@@ -116,3 +116,17 @@ def test_limit_8gib_runs_out_at_8gib_and_parses_exactly(shell, cell, rounding):
         print(f"fraction before {fraction_before}, after {getter(0)}")
         assert getter(0) == fraction_before
     assert abs(torch.cuda.memory_allocated() - base) <= 2 * MiB
+
+
+def test_a_limit_holds_over_memory_an_earlier_cell_left_cached(shell, cell):
+    # An earlier cell cached 6 GiB (made and dropped): a 4 GiB card could never hold that cache, so a
+    # cell under --limit 4GiB that needs 5 GiB runs out, rather than running on the cached segments.
+    shell.run_cell("_c = torch.empty(6 * 1024**3, dtype=torch.uint8, device='cuda'); del _c")
+    assert torch.cuda.memory_reserved() >= 6 * GiB
+    cell(
+        "%%gpumem --limit 4GiB --no-raise --quiet\n"
+        "_x = torch.empty(5 * 1024**3, dtype=torch.uint8, device='cuda')"
+    )
+    run = oommagic.history()[-1]
+    assert run.outcome == "oom", run.headline()
+    assert "_x" not in shell.user_ns
