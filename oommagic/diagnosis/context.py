@@ -133,10 +133,10 @@ def scan_namespace(
             loading=loadings(source, namespace),
             installed=installed(("bitsandbytes", "accelerate")),
             transformers_version=_version("transformers"),
-            computation=_computation(error),
-            eval_loader=lightning_loader(error, namespace, source),
-            kv_backends=quantized_cache_backends() if generation else None,
-            batch_shape=batch_shape(source, [*scopes, namespace]),
+            computation=_quietly(read_computation, error),
+            eval_loader=_quietly(lightning_loader, error, namespace, source),
+            kv_backends=_quietly(quantized_cache_backends) if generation else None,
+            batch_shape=_quietly(batch_shape, source, [*scopes, namespace]),
         )
 
 
@@ -156,9 +156,10 @@ def batch_shape(source: str, scopes: list[Mapping]) -> tuple[str, int, int] | No
     return None
 
 
-def _computation(error: BaseException | None) -> Computation | None:
-    with contextlib.suppress(Exception):  # an exotic frame must not stop the diagnosis
-        return read_computation(error)
+def _quietly(read: Any, *args: Any) -> Any:
+    """``read(*args)``, or None where it raises: an exotic frame or object must not stop the diagnosis."""
+    with contextlib.suppress(Exception):
+        return read(*args)
     return None
 
 
@@ -518,7 +519,7 @@ def lightning_loader(error: BaseException | None, namespace: Mapping, source: st
     tb = error.__traceback__ if error is not None else None
     while tb is not None:
         hook = _STEP_HOOKS.get(tb.tb_frame.f_code.co_name)
-        owner = dict.get(tb.tb_frame.f_locals, "self") if hook else None
+        owner = tb.tb_frame.f_locals.get("self") if hook else None
         tb = tb.tb_next
         if owner is None or not any(hook in vars(c) for c in type(owner).__mro__[:-1]):
             continue

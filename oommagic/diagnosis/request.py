@@ -134,7 +134,7 @@ def read_computation(error: BaseException | None) -> Computation | None:
     forwards = []
     for frame in frames:
         with contextlib.suppress(Exception):
-            owner = dict.get(frame.f_locals, "self")
+            owner = frame.f_locals.get("self")
             if frame.f_code.co_name == "forward" and issubclass(type(owner), module_type):
                 forwards.append((frame, owner))
     if not forwards:

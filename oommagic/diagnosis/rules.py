@@ -18,7 +18,7 @@ from ..oom import OOMReport
 from ..sizes import format_bytes as fmt
 from ..timeline import Timeline
 from . import remedies as fix
-from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, figures
+from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, Request, figures
 from .remedies import MARGIN
 from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read, tokenizer_calls
 
@@ -202,7 +202,7 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
     if single:
         parts.append(
             f"One request of {fmt(req)} is larger than the whole {fmt(fig.budget)} {what}{_where(ctx)}: "
-            + (_request_words(ctx) if ctx.request is not None else _request_knob(ctx))
+            + (_request_words(ctx, ctx.request) if ctx.request is not None else _request_knob(ctx))
         )
     if state_too_large:
         each = ", ".join(_state_words(m) for m in ctx.models)
@@ -278,11 +278,9 @@ def _request_knob(ctx: DiagnosisContext) -> str:
     return "shrink what makes it (batch, sequence length) or compute it in chunks"
 
 
-def _request_words(ctx: DiagnosisContext) -> str:
-    """What the failing frames say the one request was (its operation, shape and dtype) and the knobs
-    that shrink it, from the dimensions they name."""
-    r = ctx.request
-    assert r is not None
+def _request_words(ctx: DiagnosisContext, r: Request) -> str:
+    """What the failing frames say the one request ``r`` was (its operation, shape and dtype) and the
+    knobs that shrink it, from the dimensions they name."""
     text = ("the logits, " if r.logits else "") + r.op
     text += f" of {r.model}" if r.model and r.model not in r.op else ""
     text += f": {r.shape_words()}, {fmt(r.bytes)}. Made smaller by "
@@ -543,9 +541,9 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     # known, halving max_new_tokens saves that share of it; where not, as if the generated were all.
     prompt = ctx.prompt_tokens or 0
     remedies = []
-    # The prompts outweigh what is generated: their prefill (every prompt at once) is the peak, and fewer
-    # new tokens shorten only the smaller part of the cache.
-    # The error came in transformers' `_prefill`: no new token existed yet, nor any cache beyond the prompts'.
+    # The error came in transformers' `_prefill` (no new token existed yet, nor any cache beyond the
+    # prompts'), or the prompts outweigh what is generated: their prefill, every prompt at once, is the
+    # peak, and fewer new tokens shorten only the smaller part of the cache.
     in_prefill = any(f.function == "_prefill" and not f.in_cell for f in ctx.frames)
     prefill = in_prefill or bool(
         ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens
