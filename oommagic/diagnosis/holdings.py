@@ -106,8 +106,7 @@ class Reader:
         if kind == _MODULE:
             modules.append((name, value))
             walk = self.walk(value)
-            for t in itertools.chain(walk.params, walk.buffers):
-                _tensor_into(t, self.on, storages)
+            _tensors_into(itertools.chain(walk.params, walk.buffers), self.on, storages)
             return "module", storages
         if kind == _OPTIMIZER:
             optimizers.append(value)
@@ -126,16 +125,18 @@ class Reader:
             return "container", storages
         if not sized or len(values) > _CONTAINER_ITEMS:
             values = itertools.islice(values, _CONTAINER_ITEMS)
-        kinds, classify, on = _KINDS, self.kind, self.on
+        kinds, classify = _KINDS, self.kind
         named = False
+        tensors = []
         for inner in values:
             inner_kind = kinds.get(type(inner))
             if inner_kind is None:
                 inner_kind = classify(type(inner))
             if inner_kind == _TENSOR:
-                _tensor_into(inner, on, storages)
+                tensors.append(inner)
             elif inner_kind in (_MODULE, _OPTIMIZER):
                 named = True
+        _tensors_into(tensors, self.on, storages)
         if named:
             # Names are only built for what is listed by name (models, optimizers): a second pass.
             self._named_inside(name, value, kind, storages, modules, optimizers)
@@ -227,16 +228,23 @@ def _classify(tp: type) -> int:
 
 
 def _tensor_into(t: Any, on: Any, into: Storages) -> None:
-    # `.grad` of a non-leaf tensor warns and is always None.
-    grad = t.grad if t.is_leaf else None
-    for tensor in (t,) if grad is None else (t, grad):
-        if not on(tensor):
+    _tensors_into((t,), on, into)
+
+
+def _tensors_into(tensors: Iterable, on: Any, into: Storages) -> None:
+    """Add the storages of ``tensors`` (and, for leaves, their ``.grad``) that ``on`` accepts to ``into``."""
+    for t in tensors:
+        # `.grad` of a non-leaf tensor warns and is always None.
+        grad = t.grad if t.is_leaf else None
+        if grad is not None:
+            _tensors_into((grad,), on, into)
+        if not on(t):
             continue
         try:
-            storage = tensor.untyped_storage()
+            storage = t.untyped_storage()
             ptr, size = storage.data_ptr(), storage.nbytes()
         except Exception:  # sparse and wrapper tensors have no plain storage: count their elements
-            ptr, size = id(tensor), tensor.numel() * tensor.element_size()
+            ptr, size = id(t), t.numel() * t.element_size()
         if size:
             into[ptr] = size
 
