@@ -94,7 +94,8 @@ def test_one_rank_out_of_memory_stops_the_others(run_cell, rank_module, world):
     # its report: "lost". Either way none is left running (checked below).
     assert {r.status for r in ranks.results if r.rank != overrun} <= {"stopped", "lost"}
     assert all(r.stopped_by == overrun for r in ranks.results if r.status == "stopped")
-    assert all(r.limit == 64 * MiB and r.peak_allocated > 0 for r in ranks.results)
+    # A lost rank wrote no report, so it has no figures to hold to.
+    assert all(r.limit == 64 * MiB and r.peak_allocated > 0 for r in ranks.results if r.status != "lost")
     assert not any(alive(r.pid) for r in ranks.results), "a rank is still running"
     assert not ranks.left_running
     # The gloo timeout is 300 s: the cell ended long before any collective could time out.
