@@ -27,6 +27,18 @@ trainer = Trainer(model=model, args=args, train_dataset=data)
 """
 
 
+@pytest.fixture
+def accelerate_state():
+    yield
+    # The Trainer made an Accelerator in this process, whose state outlives the test in the session's
+    # shell; accelerate's notebook_launcher (tests/run/test_ranks.py) refuses to start in a process that
+    # has one, as in a notebook. Gone again, as in a fresh kernel.
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+@pytest.mark.usefixtures("accelerate_state")
 def test_a_trainer_made_earlier_gets_its_batch_and_accumulation_settings(shell, run_cell):
     shell.run_cell(SETUP)
     # Size the emulated card from a run at batch 2: half again what it needed, so batch 32 overruns.
