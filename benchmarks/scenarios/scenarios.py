@@ -98,6 +98,11 @@ class Scenario:
     control: str = ""  # the cell with the author's fix: run last, under the same LIMIT, to show a fit exists
 
 
+# A setup cell that fails on purpose (the error is part of the story, e.g. an earlier out-of-memory error
+# in a cell without %%gpumem): it starts with this comment.
+EXPECTED_ERROR = "# this cell fails on purpose"
+
+
 def oom(body: str) -> str:
     return "%%gpumem --limit $LIMIT --plan-budget $PLAN\n" + body.strip("\n")
 
@@ -711,9 +716,91 @@ print("train accuracy", accuracy.item())"""),
 )
 
 
+# 18. Memory pinned by an earlier error in a cell without %%gpumem (GPU only: the CPU tracker sees only the
+# tensors made under the magic) ---------------------------------------------------------------------------
+add(
+    "pinned_by_earlier_error",
+    "a first try without %%gpumem ran out of memory; its traceback still holds a large buffer",
+    [
+        GPT2,
+        probe(
+            "setup",
+            """
+model = GPT2LMHeadModel(config).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
+        ),
+        probe(
+            "p_train",
+            """
+for step in range(2):
+    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()""",
+        ),
+        """LIMIT = mib(p_train.peak_reserved * 1.25)
+HELD = int(p_train.peak_reserved * 0.6)
+
+
+def embed_corpus(n_bytes):
+    buffer = torch.empty(n_bytes, dtype=torch.uint8, device=device)  # staging buffer for the corpus
+    expanded = torch.empty(1 << 44, dtype=torch.uint8, device=device)  # far more than any card holds
+    return buffer, expanded
+LIMIT""",
+        EXPECTED_ERROR + "\nembed_corpus(HELD)",
+        oom("""
+for step in range(S["steps"]):
+    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+print(loss.item())"""),
+    ],
+    cpu={**GPT2_SIZES_CPU, "batch": 8, "steps": 3},
+    gpu={**GPT2_SIZES_GPU, "batch": 8, "steps": 3},
+    gpu_only=True,
+    expect="%gpumem --free (the earlier traceback's buffer)",
+)
+
+# 19. One request larger than the budget: the logits of every position, where only the last is read -------------
+add(
+    "logits_one_request",
+    "scoring the next token of long prompts: the logits of every position are one request larger than the card",
+    [
+        GPT2,
+        probe("setup", "model = GPT2LMHeadModel(config).to(device).eval()"),
+        """prompts = torch.randint(0, S["vocab"], (S["batch"], S["seq"]))
+LIMIT = mib(setup.peak_reserved + S["batch"] * S["seq"] * S["vocab"] * 4 * 0.6)
+LIMIT""",
+        oom("""
+with torch.no_grad():
+    logits = model(input_ids=prompts.to(device)).logits
+next_token = logits[:, -1].argmax(-1)
+next_token.shape"""),
+    ],
+    cpu={**GPT2_SIZES_CPU, "vocab": 8000, "batch": 16},
+    gpu={**GPT2_SIZES_GPU, "vocab": 50257, "batch": 32},
+    expect="logits_to_keep=1 (or a smaller batch)",
+)
+
 # The author's fix for each fittable scenario: run by the runner under the same LIMIT when the clicks did
 # not reach a fit, to tell "the product missed a fit" from "the scenario has none".
 CONTROLS = {
+    "pinned_by_earlier_error": """
+import gc, sys
+sys.last_value = sys.last_traceback = sys.last_exc = None
+gc.collect()
+torch.cuda.empty_cache()
+for step in range(S["steps"]):
+    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()""",
+    "logits_one_request": """
+with torch.no_grad():
+    logits = model(input_ids=prompts.to(device), logits_to_keep=1).logits
+next_token = logits[:, -1].argmax(-1)""",
     "hf_trainer_train": """
 trainer = Trainer(model=model, args=training_args(per_device_train_batch_size=8, max_steps=S["steps"],
                   gradient_accumulation_steps=S["batch"] // 8), train_dataset=dataset)
@@ -806,6 +893,8 @@ def notebook(name: str, scale: str | None = None) -> nbformat.NotebookNode:
         cell = nbformat.v4.new_code_cell(literal(src, sizes))
         if src.startswith("%%gpumem") and "--quiet" not in src.splitlines()[0]:
             cell.metadata["tags"] = ["raises-exception", "oom-cell"]
+        elif src.startswith(EXPECTED_ERROR):
+            cell.metadata["tags"] = ["raises-exception", "expected-error"]
         cells.append(cell)
     for src in s.extra:
         cells.append(nbformat.v4.new_code_cell(src, metadata={"tags": ["teardown"]}))
