@@ -629,8 +629,9 @@ def generate_inputs(source: str) -> list[tuple[str, str | None]]:
 
 def last_logits_calls(source: str) -> tuple[str, ...]:
     """The called names (``model``) of the calls whose logits the cell reads only at the last position:
-    ``model(ids).logits[:, -1]``, or ``out = model(ids)`` with every ``out.logits`` read as
-    ``out.logits[:, -1]``. A name also called where all its logits are read is left out."""
+    ``model(ids).logits[:, -1]``, ``out = model(ids)`` with every ``out.logits`` read as
+    ``out.logits[:, -1]``, or ``logits = model(ids).logits`` with every ``logits`` read as ``logits[:, -1]``.
+    A name also called where all its logits are read is left out."""
     tree = tree_of(source)
     if tree is None:
         return ()
@@ -659,11 +660,28 @@ def last_logits_calls(source: str) -> tuple[str, ...]:
         if not any(isinstance(p, ast.Attribute) and p.attr == "logits" for p in logits):
             continue  # its logits are not read here (or not through `.logits`)
         last = all(
-            isinstance(p, ast.Attribute) and p.attr == "logits" and _last_position(parents.get(p), p)
+            isinstance(p, ast.Attribute) and p.attr == "logits" and _read_last(p, parents, tree)
             for p in logits
         )
         good[dotted] = good.get(dotted, True) and last and "?" not in dotted
     return tuple(name for name, ok in good.items() if ok)
+
+
+def _read_last(logits: ast.Attribute, parents: dict, tree: ast.Module) -> bool:
+    """Whether ``….logits`` is read only at the last position: subscripted so where it stands, or bound
+    by ``logits = model(ids).logits`` to a name that every later read subscripts so."""
+    if _last_position(parents.get(logits), logits):
+        return True
+    bind = parents.get(logits)
+    if not (
+        isinstance(bind, ast.Assign) and len(bind.targets) == 1 and isinstance(bind.targets[0], ast.Name)
+    ):
+        return False
+    name = bind.targets[0].id
+    loads = [
+        n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load)
+    ]
+    return bool(loads) and all(_last_position(parents.get(n), n) for n in loads)
 
 
 def _last_position(node: ast.AST | None, value: ast.AST) -> bool:
