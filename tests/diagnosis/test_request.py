@@ -51,7 +51,10 @@ def test_a_shape_named_in_part_gets_no_names():
 def test_logits_bound_to_a_name_and_read_at_the_last_position_are_found():
     from oommagic.diagnosis.source import last_logits_calls
 
-    cell = "with torch.no_grad():\n    logits = model(input_ids=p).logits\nnext_token = logits[:, -1].argmax(-1)\n"
+    cell = (
+        "with torch.no_grad():\n    logits = model(input_ids=p).logits\n"
+        "next_token = logits[:, -1].argmax(-1)\n"
+    )
     assert last_logits_calls(cell) == ("model",)
     # Read whole somewhere: every position is needed.
     assert last_logits_calls("logits = model(input_ids=p).logits\nprobs = logits.softmax(-1)\n") == ()
