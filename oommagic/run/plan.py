@@ -194,7 +194,9 @@ class _Measure:
 
     def judge(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
         rec = attempt.recording
-        peak = rec.peak_reserved
+        # A trial of a freeing fix ran with the freed bytes still held and the limit raised by as much:
+        # its peak against the budget is what it reached less what the fix gives back.
+        peak = max(rec.peak_reserved - sum(_freed(r, self.run) for r in fixes), 0)
         entry = PlanEntry(fixes, budget=self.budget, peak=peak, method=method)
         step = _step_time(rec.timeline.steps) or (attempt.wall_s if not self.training else None)
         if attempt.outcome == "oom":
