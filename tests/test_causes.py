@@ -27,12 +27,17 @@ MiB = 1024**2
 def leave_the_shell_as_found(shell):
     """The shell is shared by the whole session: drop what these tests bound and give back what their
     outputs and errors pin, so later tests start from the memory they expect."""
+    from oommagic.run.release import free_pinned
+
+    # And start from it: what earlier modules' errors and outputs still pin (IPython's `Out`, the last
+    # traceback) would be memory held before every cell here, which these tests size their limits against.
+    free_pinned(shell, "cpu")
+    shell.run_line_magic("reset", "-f out")
+    gc.collect()
     before = set(shell.user_ns)
     yield
     for name in set(shell.user_ns) - before:
         shell.user_ns.pop(name, None)
-    from oommagic.run.release import free_pinned
-
     free_pinned(shell, "cpu")
 
 

@@ -749,7 +749,10 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
     if len(done) < 2 or fig.demand is None or ctx.has_truncation or ctx.evaluating:
         return None
     median = sorted(done)[len(done) // 2]
-    if fig.demand < LONG_STEP * median:
+    # Against what each step added above the memory held before the cell: a large baseline (an earlier
+    # cell's model, a cache) would otherwise hide any step's excess.
+    base = min(ctx.before_allocated, median)
+    if fig.demand - base < LONG_STEP * (median - base):
         return None
     # A long batch is one step far above the others over a flat baseline; where what stays between steps
     # rose steadily, or by half the excess, the step is big because memory was kept: the growth finding.
@@ -757,8 +760,9 @@ def _long_samples(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures)
     if _retained_growth(tl, fig) or (floors and floors[-1] - min(floors) >= (fig.demand - median) / 2):
         return None
     evidence = (
-        f"The failing step needed {fmt(fig.demand)}, {fig.demand / median:.1f}× the median of the "
-        f"{len(done)} completed steps ({fmt(median)}): its batch held unusually long samples."
+        f"The failing step needed {fmt(fig.demand)}, {(fig.demand - base) / max(median - base, 1):.1f}× "
+        f"the median of the {len(done)} completed steps ({fmt(median)}) above the {fmt(base)} held before "
+        "the cell: its batch held unusually long samples."
     )
     if ctx.batch_shape is not None:
         name, samples, tokens = ctx.batch_shape
