@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -80,8 +81,19 @@ def test_lab_sh_reaches_a_running_server_on_the_quickstart():
         # The address it prints, the one to open with --no-browser, is the quickstart's.
         assert re.search(rf"http://\S+:{port}/lab/tree/notebooks/quickstart\.ipynb\?token=", log), log
 
-        base = f"http://127.0.0.1:{port}"
-        assert get(f"{base}/api/status", token)[0] == 200, "".join(lines)
+        # The host the server printed (it may listen on localhost's IPv6 address only), asked again for a
+        # few seconds: the line can come out a moment before the socket accepts.
+        host = re.search(rf"http://([^/\s]+):{port}/", log).group(1)
+        base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+        for _ in range(50):
+            try:
+                status = get(f"{base}/api/status", token)[0]
+                break
+            except urllib.error.URLError:
+                time.sleep(0.2)
+        else:
+            status = get(f"{base}/api/status", token)[0]
+        assert status == 200, "".join(lines)
         status, body = get(f"{base}/api/contents/notebooks/quickstart.ipynb?content=0", token)
         assert status == 200 and json.loads(body)["type"] == "notebook"
         status, body = get(f"{base}/lab/tree/notebooks/quickstart.ipynb", token)
