@@ -11,6 +11,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DIST="${OOMMAGIC_DIST:-$ROOT/dist}"
 TOOLS="${OOMMAGIC_TOOLS_VENV:-/tmp/oommagic-tools}"
 PY="${PYTHON:-python3}"
+source "$ROOT/scripts/stages.sh"
 
 if ! command -v node >/dev/null; then
   echo "build.sh: Node.js is needed to build the lab extension (apt-get install nodejs)" >&2
@@ -19,6 +20,7 @@ fi
 if [ -n "$(git -C "$ROOT" status --porcelain --untracked-files=no)" ]; then
   echo "build.sh: note: uncommitted changes are not in the build (it is made from HEAD)" >&2
 fi
+stage "build: tools"
 if [ ! -x "$TOOLS/bin/python" ]; then
   "$PY" -m venv "$TOOLS"
 fi
@@ -26,10 +28,11 @@ fi
 
 # The clone holds only what git has: logs, the build's output and tools live beside it, not in the sdist.
 WORK="$(mktemp -d /tmp/oommagic-release-XXXXXX)"
-trap 'rm -rf "$WORK"' EXIT
+trap 'stage_times build.sh; rm -rf "$WORK"' EXIT
 CLONE="$WORK/oommagic"
 git clone -q "$ROOT" "$CLONE"
-echo "== python -m build (HEAD $(git -C "$CLONE" rev-parse --short HEAD))"
+stage "build: python -m build"
+echo "HEAD $(git -C "$CLONE" rev-parse --short HEAD)"
 if [ -n "${OOMMAGIC_SOURCE_MAPS:-}" ]; then
   # The hook's build:prod has no maps; build with them here and let the hook keep that build.
   "$PY" -m venv "$WORK/buildenv"
@@ -50,6 +53,7 @@ rm -f "$DIST/oommagic-$VERSION.tar.gz" "$DIST/oommagic-$VERSION-"*.whl
 cp "$WORK"/dist/* "$DIST/"
 WHEEL="$(ls "$DIST/oommagic-$VERSION-"*.whl)"
 
+stage "build: checks"
 echo "== twine check"
 "$TOOLS/bin/twine" check --strict "$WHEEL" "$DIST/oommagic-$VERSION.tar.gz"
 echo "== check-wheel-contents"
