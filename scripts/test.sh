@@ -1,26 +1,32 @@
 #!/usr/bin/env bash
 # Every test on a fresh machine: Python (real IPython, real kernels, a real Jupyter server), the lab
-# extension's unit tests, and the browser tests in Debian's headless Chromium.
+# extension's unit tests, and the browser tests in Debian's headless Chromium. Prints each stage's time
+# at the end. The Python tests run on every core (pytest-xdist; OOMMAGIC_TEST_WORKERS=0 runs them in one
+# process); extra arguments go to pytest. OOMMAGIC_SKIP_UI=1 leaves the browser tests out.
 set -euo pipefail
-OOMMAGIC_EXTRAS="[test]" source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
+HERE="$(dirname "${BASH_SOURCE[0]}")"
+source "$HERE/stages.sh"
+trap 'stage_times test.sh' EXIT
+
+stage "setup"
+OOMMAGIC_EXTRAS="[test]" source "$HERE/setup.sh"
 export PATH="$VENV/bin:$PATH"
 
-echo "== ruff"
+stage "ruff"
 ruff check oommagic tests benchmarks scripts
 ruff format --check oommagic tests benchmarks scripts
 
-echo "== lab extension unit tests"
+stage "lab extension unit tests"
 (cd labextension && jlpm test)
 
-echo "== python tests"
-python -m pytest -q -p no:cacheprovider "$@"
+stage "python tests"
+# Sent one at a time to the workers, the slowest modules first (tests/conftest.py), so that no worker is
+# left alone with a slow test at the end; the slowest tests are listed after the run.
+python -m pytest -q -p no:cacheprovider -n "${OOMMAGIC_TEST_WORKERS:-auto}" --dist load --maxschedchunk 1 \
+  --durations 12 "$@"
 
-echo "== browser tests"
 if [ -z "${OOMMAGIC_SKIP_UI:-}" ]; then
-  if ! command -v chromium >/dev/null; then
-    echo "installing Debian's chromium"
-    if [ "$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null
-    else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi
-  fi
+  stage "browser tests"
+  bash scripts/chromium.sh
   bash ui-tests/run.sh
 fi
