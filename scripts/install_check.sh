@@ -7,9 +7,12 @@
 #   notebook  pip install notebook, then pip install oommagic  -> the same in Notebook 7
 # The browser half is ui-tests/install/ in Debian's Chromium. torch is installed once into a shared
 # directory that each virtualenv sees (as a machine's own torch would be), not once per virtualenv.
+# pip resolves every story's packages from the indexes once (`pip download` into a wheelhouse); each
+# story's `pip install` then installs from that wheelhouse, offline, so no wheel is fetched twice.
 # Work goes to $OOMMAGIC_INSTALL_DIR (default: a new /tmp/oommagic-install-* directory).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/stages.sh"
 PY="${PYTHON:-python3}"
 WHEEL="${1:-$(ls -t "$ROOT"/dist/oommagic-*.whl 2>/dev/null | head -1)}"
 if [ ! -f "$WHEEL" ]; then
@@ -19,17 +22,28 @@ fi
 WHEEL="$(cd "$(dirname "$WHEEL")" && pwd)/$(basename "$WHEEL")"
 if [ -n "${OOMMAGIC_INSTALL_DIR:-}" ]; then
   WORK="$OOMMAGIC_INSTALL_DIR"
+  trap 'stage_times install_check.sh' EXIT
 else
-  # Our own directory: gone once every story passed, kept to look into when one failed.
+  # Our own directory: gone once every story passed, kept to look into when one failed. Removed in the
+  # background (a few GB of small files, up to a minute on a busy disk), holding none of our output.
   WORK="$(mktemp -d /tmp/oommagic-install-XXXXXX)"
-  trap '[ $? = 0 ] && rm -rf "$WORK"' EXIT
+  trap 'status=$?; stage_times install_check.sh
+    if [ $status = 0 ]; then rm -rf "$WORK" </dev/null >/dev/null 2>&1 & fi' EXIT
 fi
 echo "== install stories for $(basename "$WHEEL") in $WORK"
 
+stage "install: pip download, once"
+WHEELS="$WORK/wheels"
+"$PY" -m pip download -q -d "$WHEELS" "${TORCH_SPEC:=torch==2.13.0}" "$WHEEL[lab]" "notebook>=7,<8"
+# The stories' pip: the wheelhouse only.
+PIP_OFFLINE=(--no-index --find-links "$WHEELS")
+
 TORCH_DIR="$WORK/torch"
 if [ ! -d "$TORCH_DIR/torch" ]; then
-  echo "== torch (${TORCH_SPEC:=torch==2.13.0}) into $TORCH_DIR, shared by the virtualenvs"
-  "$PY" -m pip install -q --target "$TORCH_DIR" "$TORCH_SPEC"
+  stage "install: torch, shared"
+  echo "torch ($TORCH_SPEC) into $TORCH_DIR, shared by the virtualenvs"
+  # Not compiled to bytecode here: each module is compiled when first imported, as after any install.
+  "$PY" -m pip install -q --no-compile "${PIP_OFFLINE[@]}" --target "$TORCH_DIR" "$TORCH_SPEC"
 fi
 
 # A fresh virtualenv that sees the shared torch; $1 is its name.
@@ -69,9 +83,9 @@ browser() {
     "$WORK/lab/bin/jlpm" playwright test -c playwright.install.config.ts)
 }
 
-echo "== term: pip install oommagic; ipython"
+stage "install: term: pip install oommagic; ipython"
 VENV="$(fresh_venv term)"
-in_venv "$VENV" python -m pip install -q "$WHEEL"
+in_venv "$VENV" python -m pip install -q "${PIP_OFFLINE[@]}" "$WHEEL"
 in_venv "$VENV" /bin/sh -c "command -v node" >/dev/null && fail "node is on the virtualenv's PATH"
 [ -x "$VENV/bin/ipython" ] || fail "pip install oommagic left no ipython command"
 # A terminal session, typed in: a blank line ends the cell magic, the next one runs it.
@@ -83,16 +97,16 @@ echo "$TRANSCRIPT" | grep -E "OUT OF MEMORY" || {
   fail "terminal IPython did not print the %%gpumem report"
 }
 
-echo "== lab: pip install \"oommagic[lab]\" into a new environment"
+stage "install: lab: pip install oommagic[lab]"
 VENV="$(fresh_venv lab)"
-in_venv "$VENV" python -m pip install -q "$WHEEL[lab]"
+in_venv "$VENV" python -m pip install -q "${PIP_OFFLINE[@]}" "$WHEEL[lab]"
 check_labextension "$VENV"
 [ -n "${OOMMAGIC_SKIP_UI:-}" ] || browser "$VENV" lab
 
-echo "== notebook: pip install oommagic into an environment with Notebook 7"
+stage "install: notebook: pip install oommagic beside Notebook 7"
 VENV="$(fresh_venv notebook)"
-in_venv "$VENV" python -m pip install -q "notebook>=7,<8"
-in_venv "$VENV" python -m pip install -q "$WHEEL"
+in_venv "$VENV" python -m pip install -q "${PIP_OFFLINE[@]}" "notebook>=7,<8"
+in_venv "$VENV" python -m pip install -q "${PIP_OFFLINE[@]}" "$WHEEL"
 check_labextension "$VENV"
 [ -n "${OOMMAGIC_SKIP_UI:-}" ] || browser "$VENV" notebook
 echo "== install stories ok"
