@@ -20,10 +20,9 @@ stage "lab extension unit tests"
 (cd labextension && jlpm test)
 
 stage "python tests"
-# Sent one at a time to the workers, the slowest modules first (tests/conftest.py), so that no worker is
-# left alone with a slow test at the end; the slowest tests are listed after the run.
-python -m pytest -q -p no:cacheprovider -n "${OOMMAGIC_TEST_WORKERS:-auto}" --dist load --maxschedchunk 1 \
-  --durations 12 "$@"
+# A module's tests run together, in their order, on one worker; the slowest modules first
+# (tests/conftest.py). The slowest tests are listed after the run.
+python -m pytest -q -p no:cacheprovider -n "${OOMMAGIC_TEST_WORKERS:-auto}" --dist loadfile --durations 12 "$@"
 
 if [ -z "${OOMMAGIC_SKIP_UI:-}" ]; then
   stage "browser tests"

@@ -7,21 +7,18 @@ import re
 
 import pytest
 
-# The modules whose tests run whole notebooks, kernels, servers or rank processes, longest first (pytest
-# --durations on 2 cores: the finetune notebook about 3 minutes, the others 10 s to 1 minute each). They
-# start first, so that under pytest-xdist (scripts/test.sh: `-n auto --dist worksteal`) the workers share
-# them and the many quick tests fill in after; started last, the finetune notebook would run alone at the
-# end. Every other module keeps its place, and every module the order of its own tests.
+# The modules whose tests run notebooks, kernels or scripts in processes of their own, longest first
+# (pytest --durations on 2 cores: the finetune notebook about 3 minutes, the others 10 s to 1 minute each).
+# They start first, so that under pytest-xdist (scripts/test.sh: `-n auto --dist loadfile`) the workers
+# share them and the quick modules fill in after; started last, the notebooks would run on one worker
+# while the other waits. None of them touches this process's shell: the modules that do keep their
+# order, since each may hold to a namespace that only the modules before it have used.
 STARTED_FIRST = (
     "tests/test_notebooks.py",
     "tests/test_kernel.py",
     "tests/test_scenarios_cpu.py",
-    "tests/run/test_trainer_settings.py",
-    "tests/run/test_ranks.py",
-    "tests/test_causes.py",
     "tests/test_scripts.py",
     "tests/test_without_lab.py",
-    "tests/test_comm.py",
     "tests/view/test_protocol_fixture.py",
 )
 
