@@ -9,10 +9,10 @@ import pytest
 
 # The modules whose tests run notebooks, kernels or scripts in processes of their own, longest first
 # (pytest --durations on 2 cores: the finetune notebook about 3 minutes, the others 10 s to 1 minute each).
-# They start first, so that under pytest-xdist (scripts/test.sh: `-n auto --dist loadfile`) the workers
-# share them and the quick modules fill in after; started last, the notebooks would run on one worker
-# while the other waits. None of them touches this process's shell: the modules that do keep their
-# order, since each may hold to a namespace that only the modules before it have used.
+# Under pytest-xdist (scripts/test.sh: `-n auto --dist loadfile`) they start first, so that the workers
+# share them and the quick modules fill in after; started last, they would leave one worker running them
+# while the other waits. None of them touches this process's shell: the modules that do keep their order,
+# since each may hold to a namespace that only the modules before it have used.
 STARTED_FIRST = (
     "tests/test_notebooks.py",
     "tests/test_kernel.py",
@@ -21,11 +21,28 @@ STARTED_FIRST = (
     "tests/test_without_lab.py",
     "tests/view/test_protocol_fixture.py",
 )
+# Modules whose tests share nothing (each runs a notebook of its own in a kernel of its own): their tests
+# go to the workers one by one, so that the four notebooks do not queue on one worker. Every other module
+# goes to one worker whole, its tests in their order.
+ONE_BY_ONE = ("tests/test_notebooks.py", "tests/test_kernel.py", "tests/test_scenarios_cpu.py")
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {path: i for i, path in enumerate(STARTED_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByModule(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return nodeid if module in ONE_BY_ONE else module
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(scope="session")
