@@ -78,9 +78,12 @@ check_labextension() {
 # The browser test in the app $2 of the virtualenv $1; Playwright itself runs on Node.js, the server not.
 browser() {
   export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
+  # A free port: a server of another run on the machine may hold the default one.
+  local port
+  port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
   (cd "$ROOT/ui-tests" && { [ -d node_modules ] || "$WORK/lab/bin/jlpm" install --immutable; } &&
     OOMMAGIC_VENV="$1" OOMMAGIC_UI_APP="$2" OOMMAGIC_UI_ROOT="$(mkdir -p "$WORK/ui-$2" && echo "$WORK/ui-$2")" \
-    "$WORK/lab/bin/jlpm" playwright test -c playwright.install.config.ts)
+    OOMMAGIC_UI_PORT="$port" "$WORK/lab/bin/jlpm" playwright test -c playwright.install.config.ts)
 }
 
 stage "install: term: pip install oommagic; ipython"

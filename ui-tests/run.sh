@@ -12,6 +12,9 @@ export OOMMAGIC_VENV="${OOMMAGIC_VENV:-$HERE/../.venv}"
 export CHROMIUM="${CHROMIUM:-/usr/bin/chromium}"
 export PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1
 export PATH="$OOMMAGIC_VENV/bin:$PATH"
+# A free port unless one is given: a server of another run on the machine may hold the default 8888.
+OOMMAGIC_UI_PORT="${OOMMAGIC_UI_PORT:-$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+export OOMMAGIC_UI_PORT
 cd "$HERE"
 
 if [ ! -x "$CHROMIUM" ]; then
