@@ -32,6 +32,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: without xdist (tests/gpu on a GPU box) unused
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
@@ -52,7 +53,25 @@ def shell():
     ip = InteractiveShell.instance()
     ip.run_line_magic("load_ext", "oommagic")
     ip.run_cell("import torch")
+    ip._oommagic_tests_started_with = set(ip.user_ns)
     return ip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shell_as_started(shell):
+    """Every module starts from the shared shell as the session made it: the names earlier modules left
+    (on whichever worker it runs, after whichever modules) dropped and what their outputs and errors pin
+    given back, so that limits sized from the memory held now hold for its cells, in any order."""
+    import gc
+
+    from oommagic.run.release import free_pinned
+
+    for name in set(shell.user_ns) - shell._oommagic_tests_started_with:
+        shell.user_ns.pop(name, None)
+    free_pinned(shell, "cpu")
+    shell.run_line_magic("reset", "-f out")
+    gc.collect()
+    return shell
 
 
 @pytest.fixture
