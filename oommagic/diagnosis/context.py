@@ -266,7 +266,7 @@ def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept
             with contextlib.suppress(Exception):
                 tensor_storages(t, device, storages)
         graphs = sum(1 for t in tensors if t.grad_fn is not None)
-        found.append(Kept(holder, len(tensors), sum(storages.values()), graphs))
+        found.append(Kept(holder, len(tensors), sum(storages.values()), graphs, tensors[0].dim()))
     return tuple(found)
 
 

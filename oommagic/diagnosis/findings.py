@@ -137,6 +137,7 @@ class Kept:
     items: int
     bytes: int
     graphs: int
+    ndim: int | None = None  # of the first kept tensor
 
 
 @dataclass(frozen=True)

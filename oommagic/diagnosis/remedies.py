@@ -414,7 +414,7 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     if remedy.kind == "skip_long":
         return skip_long_source(source, p["name"], p["max_length"]) or source
     if remedy.kind == "keep_numbers":
-        return keep_numbers_source(source) or source
+        return keep_numbers_source(source, p.get("ndims")) or source
     if remedy.kind == "no_grad":
         names = set(p.get("models", ()))
         return no_grad_source(source, names, tuple(p.get("eval", ()))) or source
@@ -536,7 +536,7 @@ model.train()"""
 def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Remedy | None]:
     """Keep numbers or detached CPU copies across steps, evaluate without a graph: snippets, since only the
     person knows which list grows; lines of the cell that look like the culprit are shown rewritten."""
-    sites = [(s.line, s.was, s.now) for s in kept_sites(ctx.source)]
+    sites = [(s.line, s.was, s.now) for s in kept_sites(ctx.source, ndims=kept_ndims(ctx))]
     why = (
         "A tensor kept across steps in a list or a running total keeps its device memory, and one that came "
         "out of the forward pass keeps the autograd graph with it (`total += loss` chains every step's "
@@ -562,25 +562,39 @@ def kept_across_steps(ctx: DiagnosisContext, fig: Figures, kept: int) -> list[Re
 def keep_numbers(ctx: DiagnosisContext, fig: Figures, saving: int | None, why: str, code: str) -> Remedy:
     """Each kept value of the cell's loops kept as ``.item()`` (a loss) or ``.detach().cpu()`` (an output):
     a button where the cell itself has such a statement, the snippet otherwise."""
-    new_source = keep_numbers_source(ctx.source)
+    ndims = kept_ndims(ctx)
+    new_source = keep_numbers_source(ctx.source, ndims)
     new_source = new_source if new_source != ctx.source else None
+    sites = kept_sites(ctx.source, ndims=ndims)
     return _made(
         fig,
         "keep_numbers",
         "Keep numbers, not tensors, across steps"
         if new_source is None
-        else "Keep " + ", ".join(f"`{s.replacement}`" for s in kept_sites(ctx.source)) + " across iterations",
-        why,
+        else "Keep " + ", ".join(f"`{s.replacement}`" for s in sites) + " across iterations",
+        why
+        + "".join(
+            f" `{s.holder}` is only read after the loop reduced along its last dimension, so each step keeps "
+            "that reduction and the line after the loop no longer makes it."
+            for s in sites
+            if s.later
+        ),
         saving,
         code=code,
         automatic=new_source is not None,
         new_source=new_source,
+        params={"ndims": ndims} if ndims else {},
     )
+
+
+def kept_ndims(ctx: DiagnosisContext) -> dict[str, int]:
+    """The dimensions of what each list the cell's loops keep held at the failure, by its name."""
+    return {k.name: k.ndim for k in ctx.kept if k.ndim}
 
 
 def kept_in_loop(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
     """``keep_numbers`` for a loop that keeps tensors with no optimizer step to measure growth by."""
-    sites = kept_sites(ctx.source)
+    sites = kept_sites(ctx.source, ndims=kept_ndims(ctx))
     why = (
         "A tensor kept across iterations keeps its memory, and one that came out of a forward pass with "
         "autograd on keeps that pass's graph and activations too. A loss is kept as a Python number "

@@ -346,15 +346,18 @@ def _owner(call: ast.Call) -> str:
     )
 
 
-def keep_numbers_source(source: str) -> str | None:
+def keep_numbers_source(source: str, ndims: dict[str, int] | None = None) -> str | None:
     """The cell with each value kept across loop iterations (``losses.append(loss)``, ``total += loss``)
-    kept as a number or a detached CPU copy instead; None when there is no such statement."""
+    kept as a number, a detached CPU copy, or reduced the way the cell reads it after the loop
+    (``kept_sites``) instead; None when there is no such statement."""
     from .source import kept_sites
 
-    sites = kept_sites(source, most=100)
+    sites = kept_sites(source, most=100, ndims=ndims)
     if not sites:
         return None
-    return _checked(_apply(source, [(s.start, s.end, s.replacement) for s in sites]))
+    edits = {(s.start, s.end, s.replacement) for s in sites}
+    edits |= {edit for s in sites for edit in s.later}
+    return _checked(_apply(source, sorted(edits)))
 
 
 def wrap_lines(source: str, first: int, last: int, header: str, before: tuple[str, ...] = ()) -> str | None:

@@ -729,15 +729,19 @@ class KeptSite:
     end: int
     replacement: str
     holder: str | None = None
+    later: tuple[tuple[int, int, str], ...] = ()  # edits after the loop: a reduction moved into it
 
 
-def kept_sites(source: str, most: int = 3) -> list[KeptSite]:
+def kept_sites(source: str, most: int = 3, ndims: dict[str, int] | None = None) -> list[KeptSite]:
     """Each ``xs.append(v)`` in a loop of the cell, and each ``total += v`` with a loss, where ``v`` may
-    be a tensor: not already a number or a detached CPU copy."""
+    be a tensor: not already a number or a detached CPU copy. Where the cell only ever reads ``xs`` after
+    the loop as ``torch.cat(xs)…argmax(-1)`` (``ndims``: the kept tensors' dimensions, by holder, for
+    the indexing in between), each step keeps ``v.argmax(-1)`` and the reduction after the loop goes."""
     tree = tree_of(source)
     if tree is None:
         return []
     src = SourceText(source)
+    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     lines = source.split("\n")
     found: dict[tuple[int, int], KeptSite] = {}
     for loop in ast.walk(tree):
@@ -760,15 +764,90 @@ def kept_sites(source: str, most: int = 3) -> list[KeptSite]:
                 continue
             start, end = src.span(value)
             text = source[start:end]
-            new = _detached(text)
+            new, later = _detached(text), ()
+            if holder is not None and isinstance(node, ast.Call) and "loss" not in text.lower():
+                reduced = _reduced_after(tree, src, parents, loop, holder, (ndims or {}).get(holder))
+                if reduced is not None:
+                    new, later = text.removesuffix(".detach()") + reduced[0], reduced[1]
             line = lines[value.lineno - 1]
             line_start = src.starts[value.lineno - 1]
             now = line[: start - line_start] + new + line[end - line_start :]
             found.setdefault(
                 (value.lineno, value.col_offset),
-                KeptSite(value.lineno, line.strip(), now.strip(), start, end, new, holder),
+                KeptSite(value.lineno, line.strip(), now.strip(), start, end, new, holder, later),
             )
     return [found[k] for k in sorted(found)][:most]
+
+
+_LAST_DIM_REDUCTIONS = frozenset({"argmax", "argmin"})
+
+
+def _reduced_after(
+    tree: ast.Module, src: SourceText, parents: dict, loop: ast.stmt, holder: str, ndim: int | None
+) -> tuple[str, tuple[tuple[int, int, str], ...]] | None:
+    """``(".argmax(-1)", edits)`` where every read of ``holder`` outside ``loop`` comes after it and is
+    ``torch.cat(holder)`` (or ``stack``, along dim 0), indexed only in dimensions before the last, then
+    reduced along the last one by one same ``argmax``/``argmin``: the reduction commutes with all of
+    that, so each step can keep the reduced tensor. ``edits`` take the reduction out of those reads."""
+    end = loop.end_lineno or loop.lineno
+    inside = {id(n) for n in ast.walk(loop)}
+    reads = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Name) and n.id == holder and isinstance(n.ctx, ast.Load) and id(n) not in inside
+    ]
+    if not reads or any(n.lineno <= end for n in reads):
+        return None
+    method, edits = None, []
+    for name in reads:
+        call = parents.get(id(name))
+        if not (
+            isinstance(call, ast.Call)
+            and dotted_name(call.func).rsplit(".", 1)[-1] in ("cat", "concat", "concatenate", "stack")
+            and call.args
+            and call.args[0] is name
+            and all(isinstance(a, ast.Constant) and a.value == 0 for a in call.args[1:])
+            and all(k.arg in ("dim", "axis") and _is_int(k.value, 0) for k in call.keywords)
+        ):
+            return None
+        dims = (ndim or 0) + (dotted_name(call.func).endswith("stack"))
+        cur = call
+        while isinstance(parents.get(id(cur)), ast.Subscript) and parents[id(cur)].value is cur:
+            index = parents[id(cur)].slice
+            elts = index.elts if isinstance(index, ast.Tuple) else [index]
+            special = any(isinstance(e, ast.Constant) and e.value in (Ellipsis, None) for e in elts)
+            if special or len(elts) >= dims:
+                return None
+            cur = parents[id(cur)]
+        attr, outer = parents.get(id(cur)), None
+        if isinstance(attr, ast.Attribute) and attr.value is cur and attr.attr in _LAST_DIM_REDUCTIONS:
+            outer, reduction = parents.get(id(attr)), attr.attr
+            ok = isinstance(outer, ast.Call) and outer.func is attr
+            ok = ok and _last_dim_only(outer.args, outer.keywords)
+        elif isinstance(attr, ast.Call) and attr.args and attr.args[0] is cur:
+            outer, reduction = attr, dotted_name(attr.func).rsplit(".", 1)[-1]
+            ok = reduction in _LAST_DIM_REDUCTIONS and dotted_name(attr.func).startswith("torch.")
+            ok = ok and _last_dim_only(attr.args[1:], attr.keywords)
+        else:
+            ok = False
+        if not ok or method not in (None, reduction):
+            return None
+        method = reduction
+        start, stop = src.span(outer)
+        edits.append((start, stop, src.segment(cur)))
+    return f".{method}(-1)", tuple(edits)
+
+
+def _is_int(node: ast.expr, value: int) -> bool:
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return isinstance(node.operand, ast.Constant) and node.operand.value == -value
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == value
+
+
+def _last_dim_only(args: list[ast.expr], keywords: list[ast.keyword]) -> bool:
+    """The arguments of a reduction are just the last dimension: ``(-1)`` or ``(dim=-1)``."""
+    given = [*args, *(k.value for k in keywords if k.arg == "dim")]
+    return len(given) == 1 and len(args) + len(keywords) == 1 and _is_int(given[0], -1)
 
 
 def _may_be_tensor(src: SourceText, value: ast.expr) -> bool:

@@ -7,6 +7,7 @@ import ast
 from oommagic.diagnosis.rewrite import (
     accumulates,
     changed_lines,
+    keep_numbers_source,
     rewrite_batch,
     set_call_keyword,
     unified_diff,
@@ -306,3 +307,34 @@ def test_last_position_logits_are_read_through_the_call_or_its_output():
     assert last_logits_calls("out = model(**enc)\np = out.logits[:, -1, :].softmax(-1)\n") == ("model",)
     assert last_logits_calls("out = model(**enc)\np = out.logits.softmax(-1)\n") == ()
     assert last_logits_calls("a = model(x).logits[:, -1]\nb = model(y).logits\n") == ()
+
+
+KEPT_PREDICTIONS = """\
+preds = []
+with torch.no_grad():
+    for xb, yb in loader:
+        preds.append(net(xb).detach())
+acc = (torch.argmax(torch.cat(preds), dim=-1) == labels).float().mean()
+top = torch.cat(preds, dim=0)[:8].argmax(dim=-1)
+"""
+
+
+def test_kept_outputs_read_only_through_argmax_keep_the_argmax_each_step():
+    new = keep_numbers_source(KEPT_PREDICTIONS, {"preds": 2})
+    assert "preds.append(net(xb).argmax(-1))" in new
+    assert "acc = (torch.cat(preds) == labels)" in new
+    assert "top = torch.cat(preds, dim=0)[:8]\n" in new
+
+
+def test_kept_outputs_keep_a_host_copy_when_the_reduction_cannot_move_into_the_loop():
+    copied = "preds.append(net(xb).detach().cpu())"
+    # Indexing that may reach the last dimension: unknown without the kept tensors' dimensions, and two
+    # indices of a 2-D tensor do.
+    indexed = KEPT_PREDICTIONS.replace("[:8]", "[:8, 1:]")
+    assert copied in keep_numbers_source(indexed)
+    assert copied in keep_numbers_source(indexed, {"preds": 2})
+    assert "argmax(-1))" in keep_numbers_source(indexed, {"preds": 3})
+    # Another read of the list, another reduction, or one along another dimension.
+    others = ("print(len(preds))", "m = torch.cat(preds).softmax(-1)", "m = torch.cat(preds).argmax(0)")
+    for other in others:
+        assert copied in keep_numbers_source(KEPT_PREDICTIONS + other + "\n", {"preds": 2}), other

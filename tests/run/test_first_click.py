@@ -306,3 +306,36 @@ def test_a_generation_where_no_single_fix_is_enough_gets_two_together(shell, run
     assert singles and all(e.verdict != "fits" for e in singles), [e.line() for e in failed.plan.entries]
     assert "+" in fix.kind and fix.verdict == "fits", fix.kind
     assert fitted.outcome == "ok", fitted.headline()
+
+
+KEEPS_LOGITS = """\
+all_logits = []
+for i in range(0, len(rows), 16):
+    logits = head(rows[i:i + 16])
+    loss = logits.logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    all_logits.append(logits)
+accuracy = (torch.cat(all_logits).argmax(-1) == labels).float().mean()
+"""
+
+
+def test_a_loop_keeping_logits_read_only_by_argmax_keeps_the_argmax_and_fits(shell, run_cell):
+    # On the CPU a "host copy" (`.detach().cpu()`) is on the same device: only keeping less helps, and the
+    # cell reads its logits only through argmax, so each step keeps that.
+    shell.run_cell(
+        "torch.manual_seed(0)\nhead = torch.nn.Linear(64, 4096)\n"
+        "opt = torch.optim.SGD(head.parameters(), lr=0.1)\n"
+        "rows = torch.randn(512, 64)\nlabels = torch.randint(0, 4096, (512,))"
+    )
+    step = 16 * 4096 * 4
+    limit = (LEDGER.allocated + 2 * 4096 * 64 * 4 + 12 * step) / 2**20  # room for 12 of the 32 steps' logits
+    failed, fix, fitted = first_click(limit, KEEPS_LOGITS, shell, run_cell)
+    assert any(f.key in ("kept", "growth") for f in failed.findings), [f.key for f in failed.findings]
+    assert fix.kind == "keep_numbers" and "logits.argmax(-1)" in fix.title, fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "all_logits.append(logits.argmax(-1))" in fitted.source
+    assert "torch.cat(all_logits) == labels" in fitted.source
+    assert shell.user_ns["all_logits"][0].shape == (16,)
+    assert 0 <= float(shell.user_ns["accuracy"]) <= 1
