@@ -47,6 +47,7 @@ def rank_recorder(index: int | None = None) -> Iterator[None]:
         yield
         return
     directory, limit, device = settings
+    os.makedirs(directory, exist_ok=True)  # the cell names it; the first rank makes it
     if index is None:
         index = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     with RankRecorder(directory, limit, device, index):

@@ -19,7 +19,9 @@ waiting in their next collective until its timeout.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -35,6 +37,20 @@ from .rank_process import RankTarget
 
 __all__ = ["RankWatch", "alive", "watch_ranks"]
 
+_base: str | None = None
+_cells = itertools.count()
+
+
+def _cell_directory() -> str:
+    """A new directory name for one cell's ranks, inside one private directory per kernel (made once,
+    removed when the kernel exits). Not made: most cells start no rank, and making and removing a
+    directory on every cell costs milliseconds on some file systems. The launcher makes it."""
+    global _base
+    if _base is None or not os.path.isdir(_base):
+        _base = tempfile.mkdtemp(prefix="oommagic-ranks-")
+        atexit.register(shutil.rmtree, _base, True)
+    return os.path.join(_base, f"cell-{next(_cells)}")
+
 
 class RankWatch:
     """For one cell: the directory the ranks report into, the environment that names it, the wrapped
@@ -48,7 +64,7 @@ class RankWatch:
         self._patched: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> RankWatch:
-        self.directory = tempfile.mkdtemp(prefix="oommagic-ranks-")
+        self.directory = _cell_directory()
         values = {ENV_DIR: self.directory, ENV_LIMIT: self.limit, ENV_DEVICE: self.device}
         for key, value in values.items():
             self._saved_env[key] = os.environ.get(key)
@@ -68,7 +84,8 @@ class RankWatch:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if os.path.isdir(self.directory):
+            shutil.rmtree(self.directory, ignore_errors=True)
 
     def _patch(self) -> None:
         # torch.multiprocessing.spawn() calls its own module's start_processes; torch.distributed.elastic
@@ -85,6 +102,7 @@ class RankWatch:
         watch = self
 
         def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+            os.makedirs(watch.directory, exist_ok=True)
             if not isinstance(fn, RankTarget):
                 fn = RankTarget(fn, watch.directory, watch.limit, watch.device)
             return original(fn, args, nprocs, join, daemon, start_method)
