@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from types import TracebackType
 from typing import Any
@@ -112,10 +113,35 @@ def _cuda_allocated() -> int:
     return torch.cuda.memory_allocated() if torch is not None and torch.cuda.is_initialized() else 0
 
 
-def drop_bound_by_cell(namespace: dict, ids_before: dict[str, int], device: str) -> list[tuple[str, int]]:
-    """Delete the names a failed cell bound (new, or bound to another object) to values that hold memory
-    on ``device``; returns (name, bytes) of each. They are the failed attempt's memory as much as its
-    frames are, and a retry binds them again."""
+Identity = tuple[int, "weakref.ref[Any] | None"]
+
+
+def identities(namespace: dict) -> dict[str, Identity]:
+    """What each name is bound to before a cell, without keeping it alive: its ``id`` and, where the
+    value takes one, a weak reference. An ``id`` alone is not enough: a name the cell rebinds in a loop
+    (``out = model(x)``) can get a new object at the address of the one bound before the cell, which
+    the first rebinding let go."""
+    found: dict[str, Identity] = {}
+    for name, value in namespace.items():
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(value)
+        except TypeError:
+            ref = None
+        found[name] = (id(value), ref)
+    return found
+
+
+def same_binding(before: Identity | None, value: Any) -> bool:
+    """Whether ``value`` is the object a name was bound to before the cell (``identities``)."""
+    if before is None or before[0] != id(value):
+        return False
+    return before[1] is None or before[1]() is value
+
+
+def drop_bound_by_cell(namespace: dict, before: dict[str, Identity], device: str) -> list[tuple[str, int]]:
+    """Delete the names a failed cell bound (new, or bound to another object than ``before``, from
+    ``identities``) to values that hold memory on ``device``; returns (name, bytes) of each. They are the
+    failed attempt's memory as much as its frames are, and a retry binds them again."""
     import torch
 
     from ..diagnosis.context import IPYTHON_NAME, SKIPPED_TYPES, held_by, optimizer_params, tensor_storages
@@ -124,7 +150,7 @@ def drop_bound_by_cell(namespace: dict, ids_before: dict[str, int], device: str)
     dropped = []
     for name, value in list(namespace.items()):
         if (
-            ids_before.get(name) == id(value)
+            same_binding(before.get(name), value)
             or IPYTHON_NAME.fullmatch(name)
             or isinstance(value, SKIPPED_TYPES)
         ):

@@ -18,7 +18,7 @@ from ..diagnosis.context import NamespaceScan
 from ..diagnosis.ranks import Ranks
 from ..oom import OOMReport, is_oom, parse_oom
 from ..timeline import Recording
-from .release import drop_bound_by_cell, free_failed_cell
+from .release import drop_bound_by_cell, free_failed_cell, identities
 from .spec import RunSpec
 
 __all__ = ["Attempt", "Bounds", "RunSpec", "TrialStop", "cell_id", "execute"]
@@ -118,7 +118,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
     limit = bounds.limit if bounds is not None and bounds.limit is not None else options.limit
     recorder = open_recorder(options.device, limit, timeline=options.timeline, stacks=options.stacks)
     catch = _Catch(shell)
-    ids_before = {name: id(value) for name, value in shell.user_ns.items()}
+    bound_before = identities(shell.user_ns)
     # Read before the cell runs: an error in it replaces `sys.last_value`, which lets an earlier error's
     # frames go, but they held their memory while this cell ran.
     pins = _pins(shell, recorder.device) if scan else ()
@@ -160,7 +160,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
                 grown = max(at_failure - allocated_before, 0)
                 attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, exc, pins, grown)
             if not options.keep:
-                attempt.dropped = drop_bound_by_cell(shell.user_ns, ids_before, recorder.device)
+                attempt.dropped = drop_bound_by_cell(shell.user_ns, bound_before, recorder.device)
             # A trial (no scan) is collected once by its caller, after the user's state is put back.
             free_failed_cell(shell, exc, recorder.device, then_collect=scan)
         elif exc is not None:
