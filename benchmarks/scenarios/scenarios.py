@@ -118,6 +118,27 @@ def add(*a, **kw) -> None:
     SCENARIOS.append(Scenario(*a, **kw))
 
 
+# A GPT-2 with AdamW, measured over two training steps (`p_train`): the cells scenarios size their limit from.
+GPT2_TRAINED = [
+    GPT2,
+    probe(
+        "setup",
+        """
+model = GPT2LMHeadModel(config).to(device)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
+    ),
+    probe(
+        "p_train",
+        """
+for step in range(2):
+    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()""",
+    ),
+]
+
+
 # 1. HF Trainer, training ----------------------------------------------------------------------------------
 add(
     "hf_trainer_train",
@@ -460,22 +481,7 @@ add(
     "leftovers",
     "an earlier cell's hidden-state cache is still bound when the training cell runs",
     [
-        GPT2,
-        probe(
-            "setup",
-            """
-model = GPT2LMHeadModel(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
-        ),
-        probe(
-            "p_train",
-            """
-for step in range(2):
-    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()""",
-        ),
+        *GPT2_TRAINED,
         "LIMIT = mib(p_train.peak_reserved * 1.25)\nrows = max(int(p_train.peak_reserved * 0.8 / (S['seq'] * S['embd'] * 4)), 1)\nLIMIT, rows",
         probe(
             "features",
@@ -722,22 +728,7 @@ add(
     "pinned_by_earlier_error",
     "a first try without %%gpumem ran out of memory; its traceback still holds a large buffer",
     [
-        GPT2,
-        probe(
-            "setup",
-            """
-model = GPT2LMHeadModel(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
-        ),
-        probe(
-            "p_train",
-            """
-for step in range(2):
-    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()""",
-        ),
+        *GPT2_TRAINED,
         """LIMIT = mib(p_train.peak_reserved * 1.25)
 HELD = int(p_train.peak_reserved * 0.6)
 
