@@ -20,6 +20,7 @@ from .rewrite import (
     insert_after_assignment,
     keep_last_logits_source,
     keep_numbers_source,
+    kept_source,
     load_source,
     no_grad_source,
     pass_hook_loader,
@@ -563,15 +564,15 @@ def keep_numbers(ctx: DiagnosisContext, fig: Figures, saving: int | None, why: s
     """Each kept value of the cell's loops kept as ``.item()`` (a loss) or ``.detach().cpu()`` (an output):
     a button where the cell itself has such a statement, the snippet otherwise."""
     ndims = kept_ndims(ctx)
-    new_source = keep_numbers_source(ctx.source, ndims)
+    sites = kept_sites(ctx.source, most=100, ndims=ndims)
+    new_source = kept_source(ctx.source, sites)
     new_source = new_source if new_source != ctx.source else None
-    sites = kept_sites(ctx.source, ndims=ndims)
     return _made(
         fig,
         "keep_numbers",
         "Keep numbers, not tensors, across steps"
         if new_source is None
-        else "Keep " + ", ".join(f"`{s.replacement}`" for s in sites) + " across iterations",
+        else "Keep " + ", ".join(f"`{s.replacement}`" for s in sites[:3]) + " across iterations",
         why
         + "".join(
             f" `{s.holder}` is only read after the loop reduced along its last dimension, so each step keeps "

@@ -15,12 +15,14 @@ from .source import (
     ACCUMULATION_NAMES,
     BatchGuess,
     Binding,
+    KeptSite,
     SourceText,
     binding_sites,
     call_matches,
     dotted_name,
     expression_nodes,
     int_literal,
+    kept_sites,
     shape_literals,
     step_literals,
     target_names,
@@ -350,9 +352,11 @@ def keep_numbers_source(source: str, ndims: dict[str, int] | None = None) -> str
     """The cell with each value kept across loop iterations (``losses.append(loss)``, ``total += loss``)
     kept as a number, a detached CPU copy, or reduced the way the cell reads it after the loop
     (``kept_sites``) instead; None when there is no such statement."""
-    from .source import kept_sites
+    return kept_source(source, kept_sites(source, most=100, ndims=ndims))
 
-    sites = kept_sites(source, most=100, ndims=ndims)
+
+def kept_source(source: str, sites: list[KeptSite]) -> str | None:
+    """``source`` with ``sites`` (``kept_sites`` of it) rewritten; None without any."""
     if not sites:
         return None
     edits = {(s.start, s.end, s.replacement) for s in sites}

@@ -211,6 +211,19 @@ def int_literal(node: ast.expr) -> int | None:
     return None
 
 
+def signed_int_literal(node: ast.expr | None) -> int | None:
+    """``int_literal`` that also reads a negative one (``-1`` parses as a minus applied to ``1``)."""
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        value = int_literal(node.operand)
+        return -value if value is not None else None
+    return int_literal(node) if node is not None else None
+
+
+def parents_of(tree: ast.AST) -> dict[ast.AST, ast.AST]:
+    """Each node of ``tree`` to the node that holds it."""
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
 def _loads(tree: ast.Module | None, source: str) -> list[str]:
     """Names the cell reads, in source order (every identifier when the cell does not parse)."""
     if tree is None:
@@ -635,7 +648,7 @@ def last_logits_calls(source: str) -> tuple[str, ...]:
     tree = tree_of(source)
     if tree is None:
         return ()
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    parents = parents_of(tree)
     assigned: dict[str, list[ast.Call]] = {}
     for node in ast.walk(tree):
         one = isinstance(node, ast.Assign) and len(node.targets) == 1
@@ -698,17 +711,8 @@ def _last_position(node: ast.AST | None, value: ast.AST) -> bool:
         return False
     second = elts[1]
     if isinstance(second, ast.Slice):
-        return second.upper is None and second.step is None and _minus_one(second.lower)
-    return _minus_one(second)
-
-
-def _minus_one(node: ast.expr | None) -> bool:
-    return (
-        isinstance(node, ast.UnaryOp)
-        and isinstance(node.op, ast.USub)
-        and isinstance(node.operand, ast.Constant)
-        and node.operand.value == 1
-    ) or (isinstance(node, ast.Constant) and node.value == -1)
+        return second.upper is None and second.step is None and signed_int_literal(second.lower) == -1
+    return signed_int_literal(second) == -1
 
 
 # A value kept in these forms holds no device memory and no graph.
@@ -741,7 +745,7 @@ def kept_sites(source: str, most: int = 3, ndims: dict[str, int] | None = None) 
     if tree is None:
         return []
     src = SourceText(source)
-    parents = {id(child): node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    parents = parents_of(tree)
     lines = source.split("\n")
     found: dict[tuple[int, int], KeptSite] = {}
     for loop in ast.walk(tree):
@@ -783,7 +787,12 @@ _LAST_DIM_REDUCTIONS = frozenset({"argmax", "argmin"})
 
 
 def _reduced_after(
-    tree: ast.Module, src: SourceText, parents: dict, loop: ast.stmt, holder: str, ndim: int | None
+    tree: ast.Module,
+    src: SourceText,
+    parents: dict[ast.AST, ast.AST],
+    loop: ast.stmt,
+    holder: str,
+    ndim: int | None,
 ) -> tuple[str, tuple[tuple[int, int, str], ...]] | None:
     """``(".argmax(-1)", edits)`` where every read of ``holder`` outside ``loop`` comes after it and is
     ``torch.cat(holder)`` (or ``stack``, along dim 0), indexed only in dimensions before the last, then
@@ -800,28 +809,28 @@ def _reduced_after(
         return None
     method, edits = None, []
     for name in reads:
-        call = parents.get(id(name))
+        call = parents.get(name)
         if not (
             isinstance(call, ast.Call)
             and dotted_name(call.func).rsplit(".", 1)[-1] in ("cat", "concat", "concatenate", "stack")
             and call.args
             and call.args[0] is name
-            and all(isinstance(a, ast.Constant) and a.value == 0 for a in call.args[1:])
-            and all(k.arg in ("dim", "axis") and _is_int(k.value, 0) for k in call.keywords)
+            and all(int_literal(a) == 0 for a in call.args[1:])
+            and all(k.arg in ("dim", "axis") and int_literal(k.value) == 0 for k in call.keywords)
         ):
             return None
         dims = (ndim or 0) + (dotted_name(call.func).endswith("stack"))
         cur = call
-        while isinstance(parents.get(id(cur)), ast.Subscript) and parents[id(cur)].value is cur:
-            index = parents[id(cur)].slice
+        while isinstance(parents.get(cur), ast.Subscript) and parents[cur].value is cur:
+            index = parents[cur].slice
             elts = index.elts if isinstance(index, ast.Tuple) else [index]
             special = any(isinstance(e, ast.Constant) and e.value in (Ellipsis, None) for e in elts)
             if special or len(elts) >= dims:
                 return None
-            cur = parents[id(cur)]
-        attr, outer = parents.get(id(cur)), None
+            cur = parents[cur]
+        attr, outer = parents.get(cur), None
         if isinstance(attr, ast.Attribute) and attr.value is cur and attr.attr in _LAST_DIM_REDUCTIONS:
-            outer, reduction = parents.get(id(attr)), attr.attr
+            outer, reduction = parents.get(attr), attr.attr
             ok = isinstance(outer, ast.Call) and outer.func is attr
             ok = ok and _last_dim_only(outer.args, outer.keywords)
         elif isinstance(attr, ast.Call) and attr.args and attr.args[0] is cur:
@@ -838,16 +847,10 @@ def _reduced_after(
     return f".{method}(-1)", tuple(edits)
 
 
-def _is_int(node: ast.expr, value: int) -> bool:
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return isinstance(node.operand, ast.Constant) and node.operand.value == -value
-    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == value
-
-
 def _last_dim_only(args: list[ast.expr], keywords: list[ast.keyword]) -> bool:
     """The arguments of a reduction are just the last dimension: ``(-1)`` or ``(dim=-1)``."""
     given = [*args, *(k.value for k in keywords if k.arg == "dim")]
-    return len(given) == 1 and len(args) + len(keywords) == 1 and _is_int(given[0], -1)
+    return len(given) == 1 and len(args) + len(keywords) == 1 and signed_int_literal(given[0]) == -1
 
 
 def _may_be_tensor(src: SourceText, value: ast.expr) -> bool:
