@@ -796,8 +796,10 @@ def _reduced_after(
 ) -> tuple[str, tuple[tuple[int, int, str], ...]] | None:
     """``(".argmax(-1)", edits)`` where every read of ``holder`` outside ``loop`` comes after it and is
     ``torch.cat(holder)`` (or ``stack``, along dim 0), indexed only in dimensions before the last, then
-    reduced along the last one by one same ``argmax``/``argmin``: the reduction commutes with all of
-    that, so each step can keep the reduced tensor. ``edits`` take the reduction out of those reads."""
+    reduced along the last one (``-1``, or its index) by one same ``argmax``/``argmin``, which is not the
+    dimension they are joined along: the reduction commutes with all of that, so each step can keep the
+    reduced tensor. ``ndim``: the kept tensors' dimensions (None: not known, and nothing moves).
+    ``edits`` take the reduction out of those reads."""
     end = loop.end_lineno or loop.lineno
     inside = {id(n) for n in ast.walk(loop)}
     reads = [
@@ -819,24 +821,30 @@ def _reduced_after(
             and all(k.arg in ("dim", "axis") and int_literal(k.value) == 0 for k in call.keywords)
         ):
             return None
-        dims = (ndim or 0) + (dotted_name(call.func).endswith("stack"))
+        stacked = dotted_name(call.func).endswith("stack")
+        if ndim is None or ndim < (1 if stacked else 2):
+            return None  # 1-D pieces joined by `cat`: their last dimension is the one joined
+        dims = ndim + stacked
         cur = call
         while isinstance(parents.get(cur), ast.Subscript) and parents[cur].value is cur:
             index = parents[cur].slice
             elts = index.elts if isinstance(index, ast.Tuple) else [index]
-            special = any(isinstance(e, ast.Constant) and e.value in (Ellipsis, None) for e in elts)
-            if special or len(elts) >= dims:
+            # Slices keep a dimension, an integer index drops one; anything else (`...`, `None`, a tensor)
+            # may reach or move the last dimension.
+            plain = all(isinstance(e, ast.Slice) or signed_int_literal(e) is not None for e in elts)
+            if not plain or len(elts) >= dims:
                 return None
+            dims -= sum(1 for e in elts if not isinstance(e, ast.Slice))
             cur = parents[cur]
         attr, outer = parents.get(cur), None
         if isinstance(attr, ast.Attribute) and attr.value is cur and attr.attr in _LAST_DIM_REDUCTIONS:
             outer, reduction = parents.get(attr), attr.attr
             ok = isinstance(outer, ast.Call) and outer.func is attr
-            ok = ok and _last_dim_only(outer.args, outer.keywords)
+            ok = ok and _last_dim_only(outer.args, outer.keywords, dims)
         elif isinstance(attr, ast.Call) and attr.args and attr.args[0] is cur:
             outer, reduction = attr, dotted_name(attr.func).rsplit(".", 1)[-1]
             ok = reduction in _LAST_DIM_REDUCTIONS and dotted_name(attr.func).startswith("torch.")
-            ok = ok and _last_dim_only(attr.args[1:], attr.keywords)
+            ok = ok and _last_dim_only(attr.args[1:], attr.keywords, dims)
         else:
             ok = False
         if not ok or method not in (None, reduction):
@@ -847,10 +855,14 @@ def _reduced_after(
     return f".{method}(-1)", tuple(edits)
 
 
-def _last_dim_only(args: list[ast.expr], keywords: list[ast.keyword]) -> bool:
-    """The arguments of a reduction are just the last dimension: ``(-1)`` or ``(dim=-1)``."""
+def _last_dim_only(args: list[ast.expr], keywords: list[ast.keyword], dims: int) -> bool:
+    """The arguments of a reduction are just the last of ``dims`` dimensions: ``(-1)``, ``(dim=-1)``, or
+    ``(1)`` / ``(dim=1)`` of a 2-D tensor."""
     given = [*args, *(k.value for k in keywords if k.arg == "dim")]
-    return len(given) == 1 and len(args) + len(keywords) == 1 and signed_int_literal(given[0]) == -1
+    if len(given) != 1 or len(args) + len(keywords) != 1:
+        return False
+    dim = signed_int_literal(given[0])
+    return dim in (-1, dims - 1)
 
 
 def _may_be_tensor(src: SourceText, value: ast.expr) -> bool:

@@ -335,6 +335,25 @@ def test_kept_outputs_keep_a_host_copy_when_the_reduction_cannot_move_into_the_l
     assert copied in keep_numbers_source(indexed, {"preds": 2})
     assert "argmax(-1))" in keep_numbers_source(indexed, {"preds": 3})
     # Another read of the list, another reduction, or one along another dimension.
+    # Without the kept tensors' dimensions nothing moves: 1-D pieces joined by `cat` are reduced along
+    # the very dimension they are joined by.
+    assert copied in keep_numbers_source(KEPT_PREDICTIONS)
+    assert copied in keep_numbers_source(KEPT_PREDICTIONS, {"preds": 1})
     others = ("print(len(preds))", "m = torch.cat(preds).softmax(-1)", "m = torch.cat(preds).argmax(0)")
     for other in others:
         assert copied in keep_numbers_source(KEPT_PREDICTIONS + other + "\n", {"preds": 2}), other
+
+
+def test_the_last_dimension_is_read_by_its_index_too_and_integer_indexing_drops_one():
+    classify = (
+        "probs = []\nfor xb in batches:\n    probs.append(net(xb))\nlabels = torch.cat(probs).argmax(dim=1)\n"
+    )
+    assert "probs.append(net(xb).argmax(-1))" in keep_numbers_source(classify, {"probs": 2})
+    # The same index of 3-D logits is not their last dimension.
+    assert "argmax(dim=1)" in keep_numbers_source(classify, {"probs": 3})
+    # `[0]` drops the first dimension of 3-D pieces: dimension 1 is then the last.
+    first = classify.replace("torch.cat(probs).argmax(dim=1)", "torch.cat(probs)[0].argmax(1)")
+    assert "probs.append(net(xb).argmax(-1))" in keep_numbers_source(first, {"probs": 3})
+    # Stacked pieces get a new first dimension: the reduction of 1-D pieces' only one moves in.
+    stacked = classify.replace("torch.cat(probs)", "torch.stack(probs)")
+    assert "probs.append(net(xb).argmax(-1))" in keep_numbers_source(stacked, {"probs": 1})

@@ -339,3 +339,31 @@ def test_a_loop_keeping_logits_read_only_by_argmax_keeps_the_argmax_and_fits(she
     assert "torch.cat(all_logits) == labels" in fitted.source
     assert shell.user_ns["all_logits"][0].shape == (16,)
     assert 0 <= float(shell.user_ns["accuracy"]) <= 1
+
+
+SCORES = """\
+classifier.eval()
+all_scores = []
+with torch.no_grad():
+    for xb, yb in val_loader:
+        all_scores.append(classifier(xb))
+predicted = torch.cat(all_scores).argmax(dim=1)
+"""
+
+
+def test_class_scores_of_a_loader_read_by_argmax_over_dim_1_keep_the_argmax_and_fit(shell, run_cell):
+    # Another shape: a conv classifier evaluated over a DataLoader, its 2-D scores reduced by `dim=1`.
+    run_cell(
+        "%%gpumem --quiet\nfrom torch.utils.data import DataLoader, TensorDataset\ntorch.manual_seed(0)\n"
+        "classifier = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),\n"
+        "    torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(256, 5000))\n"
+        "images = torch.randn(2048, 3, 32, 32)\ntargets = torch.randint(0, 5000, (2048,))\n"
+        "val_loader = DataLoader(TensorDataset(images, targets), batch_size=64)"
+    )
+    limit = (LEDGER.allocated + 0.4 * 2048 * 5000 * 4 + 8 * 2**20) / 2**20  # 40% of the scores kept
+    failed, fix, fitted = first_click(limit, SCORES, shell, run_cell)
+    assert any(f.key == "kept" for f in failed.findings), [f.key for f in failed.findings]
+    assert fix.kind == "keep_numbers" and "classifier(xb).argmax(-1)" in fix.title, fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "predicted = torch.cat(all_scores)\n" in fitted.source
+    assert shell.user_ns["predicted"].shape == (2048,)
