@@ -37,13 +37,11 @@ def test_a_new_object_at_the_address_of_the_one_bound_before_is_a_new_binding():
 def test_a_name_rebound_in_a_loop_is_dropped_even_where_its_object_reuses_the_address():
     ns = {"out": Output(4)}
     before = identities(ns)
-    address = before["out"][0]
-    reused = None
-    for _ in range(10_000):  # a loop of the cell: `out = model(x)`, the first rebinding frees the old
-        ns["out"] = Output(2**16)
-        if id(ns["out"]) == address:
-            reused = ns["out"]
-            break
-    assert reused is not None, "CPython gave no new object the freed address in 10,000 tries"
+    ns["out"] = Output(2**16)  # a loop of the cell: `out = model(x)`, the first rebinding frees the old
+    gc.collect()
+    assert before["out"][1]() is None
+    # Whether CPython gives the new object the freed address depends on its allocator's state; put the
+    # case that happened (1.4 GiB kept in a notebook) in place rather than wait for it.
+    before["out"] = (id(ns["out"]), before["out"][1])
     dropped = drop_bound_by_cell(ns, before, "cpu")
     assert "out" not in ns and dropped == [("out", 2**16 * 4)]
