@@ -16,10 +16,13 @@ from oommagic.run.capture.cuda import SKIPPED_ACTIONS, record_history
 from oommagic.run.capture.snapshot_file import for_viewer, write_snapshot
 from oommagic.run.capture.trace import (
     CUDA_TRACE_ENTRIES,
+    PackedTrace,
     TraceEvents,
     cuda_timeline,
+    packed,
     snapshot_blocks,
     start_blocks,
+    unpacked,
     user_line,
 )
 from oommagic.timeline import Timeline
@@ -103,6 +106,14 @@ def assert_same_replay(snapshot, start_us=0.0, before=(0, 0), origin_us=None, li
     start = start_blocks(replayed, blocks)
     assert list(start.items()) == list(reference_start(events, blocks).items())
     assert live_at(start, replayed, replayed.peak) == live_at(start, events, peak)
+    # Packed into columns (what a recorder keeps), the snapshot replays the same and unpacks to itself.
+    kept = packed(snapshot)
+    assert unpacked(kept) == snapshot
+    if kept is not snapshot and isinstance(kept["device_traces"][0], PackedTrace):
+        again = TraceEvents()
+        assert cuda_timeline(kept, 0, start_us, before, steps, origin_us, events=again) == timeline
+        assert list(again) == [(*e[:4], None) for e in events]
+        assert (again.peak, again.top) == (peak, top)
     return got, replayed
 
 
@@ -257,3 +268,36 @@ def test_a_snapshot_written_for_the_viewer_gets_its_frees_back(tmp_path):
     assert written["device_traces"] == small_op_loop(3)["device_traces"]
     assert snapshot["device_traces"] == small_op_loop(3, completed=False)["device_traces"], "left as it was"
     assert for_viewer(small_op_loop(3)) == small_op_loop(3), "a full trace is left alone"
+
+
+# --- the trace a recorder keeps -----------------------------------------------------------------------
+
+
+def test_a_trace_is_kept_as_columns_and_given_back_as_the_allocators_dicts():
+    snapshot = small_op_loop(1_000, completed=False)
+    for entry in snapshot["device_traces"][0]:
+        entry["frames"] = []
+    oom = {"action": "oom", "size": 1 << 30, "stream": 0, "time_us": 9, "device_free": 5, "frames": []}
+    snapshot["device_traces"][0].insert(10, oom)
+    kept = packed(snapshot)
+    trace = kept["device_traces"][0]
+    assert isinstance(trace, PackedTrace) and len(trace) == 2_001 and trace.whole == {10: oom}
+    assert trace.columns[trace.keys.index("frames")] is None, "no list per entry"
+    back = unpacked(kept)
+    assert (
+        back == snapshot
+        and back["device_traces"][0][0]["frames"] is not back["device_traces"][0][1]["frames"]
+    )
+    assert unpacked(snapshot) is snapshot
+
+
+def test_a_trace_with_frames_is_kept_as_it_is():
+    frames = [{"filename": "<ipython-input-3-x>", "line": 2, "name": "<module>"}]
+    trace = [{"action": "alloc", "addr": A, "size": 512, "time_us": 1, "frames": frames}]
+    assert PackedTrace.pack(trace) is None
+    assert PackedTrace.pack([{"action": "oom"}]) is None, "a single key"
+    uneven = [{"action": "oom", "size": 1}, {"action": "alloc", "addr": 1}]
+    assert PackedTrace.pack(uneven).whole == {1: uneven[1]} and unpacked(
+        packed({"t": 1, "device_traces": [uneven]})
+    )["device_traces"] == [uneven]
+    assert packed({"device_traces": [trace]})["device_traces"][0] is trace

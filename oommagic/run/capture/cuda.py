@@ -9,9 +9,17 @@ from typing import Any
 from ...categories import Breakdown, breakdown, live_at
 from ...timeline import Timeline
 from .nvml import BusySampler, device_memory, handle_for
-from .record import Recording, StepMarks
+from .record import Recording, StepMarks, collector_paused
 from .roles import StepRoles, cuda_key, now_us, observe
-from .trace import CUDA_TRACE_ENTRIES, TraceEvents, cuda_timeline, snapshot_blocks, start_blocks
+from .trace import (
+    CUDA_TRACE_ENTRIES,
+    TraceEvents,
+    cuda_timeline,
+    packed,
+    snapshot_blocks,
+    start_blocks,
+    unpacked,
+)
 
 # The replay reads alloc and free_requested (the moments memory_allocated counts) and the segments; a
 # free_completed follows each free_requested at once unless another stream still uses the block. Left
@@ -75,6 +83,7 @@ class CudaRecorder:
         self._start = 0.0
         self._before = (0, 0)
         self._snapshot: dict | None = None
+        self._timeline: Timeline | None = None
         self._skipped: tuple[str, ...] = ()
         self._end = 0.0
         self._after = (0, 0)
@@ -120,19 +129,28 @@ class CudaRecorder:
     def __exit__(self, *exc: Any) -> None:
         torch = self._torch
         self._busy.stop()
-        try:
-            stats = torch.cuda.memory_stats(self.index)
-            self._peak = (stats.get("allocated_bytes.all.peak", 0), stats.get("reserved_bytes.all.peak", 0))
-            self._after = (
-                stats.get("allocated_bytes.all.current", 0),
-                stats.get("reserved_bytes.all.current", 0),
-            )
-            # Turning recording off clears the history: take the snapshot first.
-            if self._snapshot is None:
-                self._snapshot = self._take_snapshot()
-            self._end = time.time()
-        finally:
-            self._restore()
+        # The snapshot's entries are replayed and packed before the collector runs again: they are gone
+        # (their columns stay) before it could walk them.
+        with collector_paused():
+            try:
+                stats = torch.cuda.memory_stats(self.index)
+                self._peak = (
+                    stats.get("allocated_bytes.all.peak", 0),
+                    stats.get("reserved_bytes.all.peak", 0),
+                )
+                self._after = (
+                    stats.get("allocated_bytes.all.current", 0),
+                    stats.get("reserved_bytes.all.current", 0),
+                )
+                # Turning recording off clears the history: take the snapshot first.
+                if self._snapshot is None:
+                    self._snapshot = self._take_snapshot()
+                self._end = time.time()
+            finally:
+                self._restore()
+            if self.timeline:
+                self._snapshot = packed(self._snapshot)
+                self._timeline = self._replay()
 
     def _take_snapshot(self) -> dict:
         snapshot = self._torch.cuda.memory._snapshot()
@@ -173,7 +191,7 @@ class CudaRecorder:
     def snapshot(self) -> dict | None:
         """The allocator snapshot this cell took (at the failure, else at the end; None with
         ``--no-timeline`` on a run that did not fail): what ``torch.cuda.memory._snapshot()`` returns."""
-        return self._snapshot
+        return None if self._snapshot is None else unpacked(self._snapshot)
 
     def categories(self, spaces: list, timeline: Timeline) -> Breakdown:
         """After the cell: at the failure if there was one; else at the peak replayed from the trace (the
@@ -181,6 +199,10 @@ class CudaRecorder:
         at the end); without a timeline, at the end."""
         if self.at_failure is not None:
             return self.at_failure
+        with collector_paused():
+            return self._at_peak(spaces, timeline)
+
+    def _at_peak(self, spaces: list, timeline: Timeline) -> Breakdown:
         seen = observe(spaces, cuda_key(self.index), now_us())
         snap = self._snapshot if self._snapshot is not None else self._torch.cuda.memory._snapshot()
         blocks, reserved = snapshot_blocks(snap, self.index)
@@ -233,28 +255,31 @@ class CudaRecorder:
         _, requested, _allowed, free = mine[-1]
         return {"requested": requested, "free": free}
 
-    def recording(self) -> Recording:
+    def _replay(self) -> Timeline:
         # History switched on for this cell holds only this cell's events: replay all of them, so no
         # event is lost to a difference between the allocator's clock and time.time().
-        steps = [x - self._start for x in self._marks.times]
+        return cuda_timeline(
+            self._snapshot or {},
+            self.index,
+            start_us=0.0 if self._owned_history else self._start * 1e6,
+            origin_us=self._start * 1e6,
+            before=self._before,
+            steps=[x - self._start for x in self._marks.times],
+            events=self._events,
+            # A history this recorder turned on without --stacks has no frames to read.
+            lines=self.stacks or not self._owned_history,
+        )
+
+    def recording(self) -> Recording:
+        """The figures and the timeline (replayed from the trace at the cell's end)."""
         if self.timeline:
-            timeline = cuda_timeline(
-                self._snapshot or {},
-                self.index,
-                start_us=0.0 if self._owned_history else self._start * 1e6,
-                origin_us=self._start * 1e6,
-                before=self._before,
-                steps=steps,
-                events=self._events,
-                # A history this recorder turned on without --stacks has no frames to read.
-                lines=self.stacks or not self._owned_history,
-            )
+            timeline = self._timeline if self._timeline is not None else self._replay()
         else:
             timeline = Timeline(
                 t=(0.0, max(self._end - self._start, 0.0)),
                 allocated=(self._before[0], self._after[0]),
                 reserved=(self._before[1], self._after[1]),
-                steps=tuple(steps),
+                steps=tuple(x - self._start for x in self._marks.times),
             )
         return Recording(
             device=self.device,

@@ -1,13 +1,32 @@
-"""The optimizer-step marks both recorders share (and ``Recording``, what they hand back)."""
+"""The optimizer-step marks both recorders share (and ``Recording``, what they hand back), and the pause of
+the garbage collector around the work a recorder does after a cell."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ...timeline import Recording
 
-__all__ = ["Recording", "StepMarks"]
+__all__ = ["Recording", "StepMarks", "collector_paused"]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while the block runs, as it was after. An allocator snapshot of
+    20,000 trace entries is 40,000 new containers: the collections they set off walked every object of a
+    process that imported torch (a full one took ~90 ms), and none of them frees anything (the entries
+    hold no cycles; they are gone by refcount once replayed)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class StepMarks:

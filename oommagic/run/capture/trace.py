@@ -86,16 +86,18 @@ def cuda_timeline(
     origin = start_us if origin_us is None else origin_us
     traces = snapshot.get("device_traces") or []
     entries = traces[index] if index < len(traces) else []
-    truncated = (
-        len(entries) >= CUDA_TRACE_ENTRIES and bool(entries) and entries[0].get("time_us", 0) > start_us
-    )
-    actions, times, raw_sizes, addrs = _fields(entries)
-    kinds = np.fromiter(map(_KINDS.get, actions, repeat(0)), np.int8, len(entries))
-    when = np.array(times, dtype=np.int64)
+    if isinstance(entries, PackedTrace):
+        actions, times, raw_sizes, addrs = entries.fields(_FIELD_NAMES, _FIELD_DEFAULTS)
+        lines = False  # packed: no entry had frames
+    else:
+        actions, times, raw_sizes, addrs = _fields(entries)
+    truncated = len(entries) >= CUDA_TRACE_ENTRIES and bool(entries) and times[0] > start_us
+    kinds = np.array(list(map(_KINDS.get, actions, repeat(0))), dtype=np.int8)
+    when = np.fromiter(times, np.int64, len(times))
     replayed = np.flatnonzero((kinds > 0) & (when >= start_us))
     kinds, when = kinds[replayed], when[replayed]
     # The allocator counts whole blocks, multiples of 512 bytes; round a trace size up to one.
-    sizes = -(-np.array(raw_sizes, dtype=np.int64)[replayed] // 512) * 512
+    sizes = -(-np.fromiter(raw_sizes, np.int64, len(raw_sizes))[replayed] // 512) * 512
     da = np.where(kinds == _ALLOC, sizes, np.where(kinds == _FREE, -sizes, 0))
     dr = np.where(kinds == _RESERVE, sizes, np.where(kinds == _RELEASE, -sizes, 0))
     allocated = before[0] + np.cumsum(da)
@@ -144,7 +146,118 @@ def _levels(before: int, levels: Any) -> tuple[int, ...]:
     return tuple(chain.from_iterable(map(repeat, values, map(sub, bounds[1:], bounds))))
 
 
-_FIELDS = itemgetter("action", "time_us", "size", "addr")
+_FIELD_NAMES = ("action", "time_us", "size", "addr")
+_FIELD_DEFAULTS = (None, 0, 0, 0)
+_FIELDS = itemgetter(*_FIELD_NAMES)
+
+
+class PackedTrace:
+    """One device's trace entries kept as a column per key (``pack``), what the entries' dicts were for a
+    run's whole life: 20,000 dicts and as many empty frame lists per cell were 40,000 objects the garbage
+    collector walked at each full collection. ``entries()`` gives the dicts back, equal to the
+    allocator's, for the viewer. Entries whose keys differ from the first's (an oom's ``device_free``)
+    are kept whole."""
+
+    __slots__ = ("columns", "empty_frames", "keys", "length", "whole")
+
+    def __init__(self, keys: tuple, columns: list, empty_frames: bool, whole: dict[int, dict], n: int):
+        self.keys, self.columns, self.empty_frames, self.whole, self.length = (
+            keys,
+            columns,
+            empty_frames,
+            whole,
+            n,
+        )
+
+    @classmethod
+    def pack(cls, entries: list[dict]) -> PackedTrace | None:
+        """``entries`` as columns; None where they are better kept as they are: frames recorded
+        (``--stacks``), or fewer than two keys."""
+        if not entries or len(entries[0]) < 2:
+            return None
+        keys = tuple(entries[0])
+        n = len(keys)
+        lengths = list(map(len, entries))
+        odd = set() if lengths.count(n) == len(lengths) else {i for i, m in enumerate(lengths) if m != n}
+        # One pass: every value in a flat list (each entry's tuple is let go as soon as it is read), then
+        # a column per key sliced from it.
+        plain = [e for i, e in enumerate(entries) if i not in odd] if odd else entries
+        getter = itemgetter(*keys)
+        try:
+            flat = list(chain.from_iterable(map(getter, plain)))
+        except KeyError:  # as many keys, other ones (an oom has device_free, no addr)
+            odd |= {i for i, e in enumerate(entries) if i not in odd and not all(k in e for k in keys)}
+            plain = [e for i, e in enumerate(entries) if i not in odd]
+            flat = list(chain.from_iterable(map(getter, plain)))
+        columns: list = [flat[k::n] for k in range(n)]
+        del flat
+        empty_frames = "frames" in keys
+        if empty_frames:
+            at = keys.index("frames")
+            if any(columns[at]):
+                return None
+            columns[at] = None
+        if odd:
+            # Each column as long as the trace: a hole where an entry is kept whole.
+            at_plain = [i for i in range(len(entries)) if i not in odd]
+            for c, column in enumerate(columns):
+                if column is not None:
+                    full: list = [None] * len(entries)
+                    for i, v in zip(at_plain, column, strict=True):
+                        full[i] = v
+                    columns[c] = full
+        return cls(keys, columns, empty_frames, {i: entries[i] for i in sorted(odd)}, len(entries))
+
+    def __len__(self) -> int:
+        return self.length
+
+    def fields(self, names: tuple[str, ...], defaults: tuple) -> list:
+        """The columns of ``names`` (a column of its default where no entry has the key); an entry kept
+        whole gives its own value. The kept columns themselves where no entry is whole: read, never
+        change them."""
+        out = []
+        for name, default in zip(names, defaults, strict=True):
+            column = self.columns[self.keys.index(name)] if name in self.keys else None
+            if column is None:
+                column = [default] * self.length
+            elif self.whole:
+                column = list(column)
+            for i, e in self.whole.items():
+                column[i] = e.get(name, default)
+            out.append(column)
+        return out
+
+    def entries(self) -> list[dict]:
+        """The entries as the allocator's dicts (a new list; frames a new empty list each)."""
+        columns = [c if c is not None else repeat(None, self.length) for c in self.columns]
+        out = []
+        for i, row in enumerate(zip(*columns, strict=True)):
+            if i in self.whole:
+                out.append(self.whole[i])
+                continue
+            entry = dict(zip(self.keys, row, strict=True))
+            if self.empty_frames:
+                entry["frames"] = []
+            out.append(entry)
+        return out
+
+
+def packed(snapshot: dict) -> dict:
+    """``snapshot`` with each device's trace packed (``PackedTrace``) where it can be: a new dict."""
+    traces = [PackedTrace.pack(t) or t for t in snapshot.get("device_traces") or ()]
+    return {**snapshot, "device_traces": traces} if traces else snapshot
+
+
+def unpacked(snapshot: dict) -> dict:
+    """``snapshot`` as ``torch.cuda.memory._snapshot()`` returned it, traces packed by ``packed`` made
+    dicts again: a new dict where any was packed."""
+    traces = snapshot.get("device_traces") or ()
+    if not any(isinstance(t, PackedTrace) for t in traces):
+        return snapshot
+    return {
+        **snapshot,
+        "device_traces": [t.entries() if isinstance(t, PackedTrace) else t for t in traces],
+    }
 
 
 def _fields(entries: list[dict]) -> tuple[list, list, list, list]:
