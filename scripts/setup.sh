@@ -15,7 +15,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv --system-site-packages "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-PIP=("$VENV/bin/python" -m pip install -q)
+# No bytecode written at install: each module is compiled when first imported, and most never are
+# (torch, transformers and JupyterLab installed in 38 s instead of 74 s on 2 cores).
+PIP=("$VENV/bin/python" -m pip install -q --no-compile)
 
 if "$VENV/bin/python" -c "import torch" 2>/dev/null; then
   echo "== using the installed torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
