@@ -286,6 +286,11 @@ class _Measure:
             # zero_grad freed them) did not: leave room for them.
             grads = sum(m.trainable_bytes or 0 for m in ctx.models if m.is_training)
             safe = _largest_within(trials, self.budget * (1 - self.margin) - grads)
+            if safe is not None and safe < 1:
+                # The probes peaked where the batch hardly counts (the optimizer's step, with the
+                # gradients already there): they say nothing of the micro-batches' own peak, which the
+                # rewritten cell's run below measures from the largest probe that fit.
+                safe = None
             new, acc = split_batch(guess.value, max(1, min(best, safe if safe is not None else best)), True)
         remedy = fix.batch(ctx, fig, guess, new, acc)
         probes = f"{len(trials)} probes"
@@ -293,9 +298,6 @@ class _Measure:
             # The probes measured the micro-batch's steady state (optimizer state included) and the choice
             # keeps room for the gradients accumulating between steps; the rewritten cell itself then runs
             # two micro-batches with its accumulation, so a rewrite that breaks the cell shows here.
-            fitted = min(
-                (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
-            )
             entry = self.accumulated(base, remedy)
             while entry.verdict == DOES_NOT_FIT and new > 1 and self.left() > 0:
                 # The gradients kept between micro-batches took more room than the probes left: the
@@ -303,8 +305,16 @@ class _Measure:
                 new, acc = split_batch(guess.value, new - 1, True)
                 remedy = fix.batch(ctx, fig, guess, new, acc)
                 entry = self.accumulated(base, remedy)
+            fitted = min(
+                (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
+            )
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
-            return replace(entry, method=f"{how}; the rewritten cell ran 2 micro-batches")
+            entry = replace(entry, method=f"{how}; the rewritten cell ran 2 micro-batches")
+            if entry.verdict == FITS and fitted is not None and entry.peak is not None:
+                # Two micro-batches end before the optimizer's step, which the probe ran: the whole cell's
+                # peak is the larger of the two.
+                entry = replace(entry, peak=max(entry.peak, fitted.peak_reserved))
+            return entry
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         entry = self.entry((*base, remedy), steps_scale=scale)
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)

@@ -367,3 +367,42 @@ def test_class_scores_of_a_loader_read_by_argmax_over_dim_1_keep_the_argmax_and_
     assert fitted.outcome == "ok", fitted.headline()
     assert "predicted = torch.cat(all_scores)\n" in fitted.source
     assert shell.user_ns["predicted"].shape == (2048,)
+
+
+ADAM_SETUP = """%%gpumem --quiet
+torch.manual_seed(0)
+from torch.utils.data import DataLoader, TensorDataset
+cfg = {"bs": 256, "lr": 1e-3}
+wide_ds = TensorDataset(torch.randn(2048, 512), torch.randint(0, 10, (2048,)))
+wide = torch.nn.Sequential(
+    torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+    torch.nn.Linear(2048, 10))
+"""
+ADAM_LOOP = """\
+loader = DataLoader(wide_ds, batch_size=cfg["bs"], shuffle=True)
+opt = torch.optim.Adam(wide.parameters(), lr=cfg["lr"])
+for xb, yb in loader:
+    rows16 = xb.unsqueeze(1).expand(-1, 16, -1).reshape(-1, 512)
+    loss = torch.nn.functional.cross_entropy(wide(rows16), yb.repeat_interleave(16))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_batch_whose_probes_peak_in_the_optimizer_step_keeps_a_micro_batch_near_what_fit(shell, run_cell):
+    # Adam's first step (its moments and its temporaries beside the weights and gradients) is the peak of
+    # every probe, whatever the batch: the probes' line is flat and says nothing of the micro-batches'
+    # own peak. The micro-batch comes from the largest probe that fit, checked by the rewritten cell's run,
+    # not from that line (it said batch 1: 256 micro-batches of one sample).
+    run_cell(ADAM_SETUP)
+    failed, fix, fitted = first_click(130, ADAM_LOOP, shell, run_cell)
+    assert fix.kind == "batch"
+    assert fitted.outcome == "ok", fitted.headline()
+    batch = next(r for r in fitted.applied if r.kind == "batch")
+    assert batch.params["accumulate"] * batch.params["new"] == 256, batch.params
+    assert batch.params["new"] >= 32, batch.params
+    # The plan's peak counts the probe's optimizer step, not only the two micro-batches the rewritten cell
+    # ran (which end before any step).
+    entry = next(e for e in failed.plan.entries if e.kind == "batch")
+    assert entry.peak > 0.9 * fitted.peak_reserved, (entry.peak, fitted.peak_reserved)
