@@ -11,6 +11,7 @@ cannot read: it leaves that figure out.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import itertools
@@ -75,6 +76,7 @@ class NamespaceScan:
     trains: bool = False
     helpers: tuple[tuple[str, str], ...] = ()
     settings_batch: BatchGuess | None = None
+    call_batch: BatchGuess | None = None
     frames: tuple[Frame, ...] = ()
     kept: tuple[Kept, ...] = ()
     grad_enabled: bool | None = None
@@ -126,6 +128,7 @@ def scan_namespace(
             settings_batch=settings_batch(source, namespace)
             or expression_batch(source, namespace)
             or loader_batch(source, namespace, line),
+            call_batch=default_batch(source, namespace),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
             grad_enabled=bool(torch.is_grad_enabled()),
@@ -417,7 +420,8 @@ def make_context(
         batch=cell.find_batch(source, ints, batch_name)
         or scan.settings_batch
         or cell.step_batch(source)
-        or cell.shape_batch(source),
+        or cell.shape_batch(source)
+        or scan.call_batch,
         models=scan.models,
         other_gpus=other_gpus,
         processes=processes,
@@ -647,6 +651,34 @@ def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
             if type(namespace.get(path[0])) is dict:
                 text = path[0] + "".join(f"[{p!r}]" for p in path[1:])
             return BatchGuess(text, value, "expression", path=path)
+    return None
+
+
+def default_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch a notebook function takes by default where the cell calls it without passing it
+    (``def train(model, epochs=1, bs=128)`` and ``train(enc)``): a parameter named like a batch with an int
+    default. Read from the function's code object and defaults only (no call, no property)."""
+    tree = cell.tree_of(source)
+    if tree is None:
+        return None
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+            continue
+        func = namespace.get(call.func.id)
+        if type(func) is not types.FunctionType or func.__module__ != "__main__":
+            continue
+        if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+            continue  # *args or **kwargs: which parameters they fill is not read from the source
+        code = func.__code__
+        positional = code.co_varnames[: code.co_argcount]
+        given = func.__defaults__ or ()
+        defaults = dict(zip(positional[len(positional) - len(given) :], given, strict=True))
+        defaults.update(func.__kwdefaults__ or {})
+        passed = set(positional[: len(call.args)]) | {k.arg for k in call.keywords}
+        for name in cell.BATCH_NAMES:
+            value = defaults.get(name)
+            if name not in passed and type(value) is int and value >= 2:
+                return BatchGuess(name, value, "call", path=(call.func.id, name))
     return None
 
 

@@ -363,7 +363,7 @@ def batch_source(
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
-    written = guess.where in ("source", "expression", "step", "shape")
+    written = guess.where in ("source", "expression", "step", "shape", "call")
     rewritten = rewrite_batch(source, guess, new, acc) if written else source
     if rewritten is None:
         return None, False
@@ -403,7 +403,7 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     p = remedy.params
     if remedy.new_source is None:
         return source
-    if remedy.kind == "batch" and p.get("where") in ("source", "expression", "step", "shape"):
+    if remedy.kind == "batch" and p.get("where") in ("source", "expression", "step", "shape", "call"):
         guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
         return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1))[0] or source
     if remedy.kind in ("max_new_tokens", "num_beams"):

@@ -42,6 +42,18 @@ def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: in
     if tree is None:
         return None
     src = SourceText(source)
+    if guess.where == "call":
+        # `train(enc)` → `train(enc, bs=64)`: every call of the function by its own name (not a method of
+        # the same name, `model.train()`).
+        func, keyword = guess.path
+        calls = [
+            n
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == func
+        ]
+        if not calls:
+            return None
+        return _checked(_apply(source, [_insert_keyword(src, c, f"{keyword}={new_value}") for c in calls]))
     if guess.where in ("expression", "step", "shape"):
         # `cfg.batch_size` / `S["batch"]` read by the cell, or a loop's literal step and slice ends:
         # each occurrence becomes the new number (a plain loop gets no invented accumulation).

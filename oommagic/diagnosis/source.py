@@ -54,7 +54,10 @@ class BatchGuess:
     object, ``cfg.batch_size`` or ``S["batch"]``: ``path`` is its chain, a rewrite writes the number in its
     place), ``"step"`` (a loop over slices with a literal step, ``range(0, n, 128)`` and ``x[i:i + 128]``) or
     ``"shape"`` (the first dimension of the data a loop makes, ``torch.randn(64, 3, 224, 224)``) or
-    ``"loader"`` (the ``batch_size`` of a DataLoader made earlier that the loop iterates: ``path`` names it).
+    ``"loader"`` (the ``batch_size`` of a DataLoader made earlier that the loop iterates: ``path`` names it)
+    or ``"call"`` (the default of a parameter of a notebook function the cell calls without it,
+    ``def train(model, bs=128)`` and ``train(enc)``: ``path`` is (function, parameter), a rewrite passes
+    the new number to the call).
     """
 
     name: str

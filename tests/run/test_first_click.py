@@ -406,3 +406,59 @@ def test_a_batch_whose_probes_peak_in_the_optimizer_step_keeps_a_micro_batch_nea
     # ran (which end before any step).
     entry = next(e for e in failed.plan.entries if e.kind == "batch")
     assert entry.peak > 0.9 * fitted.peak_reserved, (entry.peak, fitted.peak_reserved)
+
+
+TRAIN_HELPER = """%%gpumem --quiet
+torch.manual_seed(0)
+seqs = torch.randn(1024, 32, 256)
+goals = torch.randn(1024, 32, 256)
+enc = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+def train(model, epochs=1, bs=128):
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(epochs):
+        for i in range(0, len(seqs), bs):
+            loss = torch.nn.functional.mse_loss(model(seqs[i:i + bs]), goals[i:i + bs])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+"""
+
+
+def test_a_batch_that_is_a_default_of_the_called_function_is_passed_smaller_with_accumulation(
+    shell, run_cell
+):
+    # `train(enc)` leaves `bs=128` at its default: the fix passes the micro-batch to the call and writes
+    # the accumulation into the function, redefined at the top of the cell.
+    run_cell(TRAIN_HELPER)
+    # `enc.train()` (a method of the same name) stays as it is; not the last line, so that no output
+    # cache keeps the model after this module.
+    run_cell("%%gpumem --limit 100MiB --quiet --no-raise --plan-budget 60\ntrain(enc)\nenc.train()\ndone = 1")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.context.batch.where == "call", failed.context.batch
+    widget = ReportWidget(failed, session_for(shell))
+    assert "batch" in [f.kind for f in widget.fixes], [(f.kind, f.verdict) for f in widget.fixes]
+    fitted = widget.click("batch")
+    assert fitted.outcome == "ok", fitted.headline()
+    batch = next(r for r in fitted.applied if r.kind == "batch")
+    new, acc = batch.params["new"], batch.params["accumulate"]
+    assert new * acc == 128 and acc > 1, batch.params
+    assert f"train(enc, bs={new})" in fitted.source and "enc.train()" in fitted.source, fitted.source
+    assert "def train(" in fitted.source, "the accumulation is written into the function"
+
+
+def test_a_batch_default_is_not_read_where_the_call_passes_it_or_spreads_its_arguments():
+    import types
+
+    from oommagic.diagnosis.context import default_batch
+
+    ns: dict = {}
+    exec("def train(model, epochs=1, bs=128):\n    pass\ndef run(*, batch_size=64):\n    pass\n", ns)
+    for f in ("train", "run"):
+        ns[f] = types.FunctionType(ns[f].__code__, ns, f, ns[f].__defaults__)
+        ns[f].__module__ = "__main__"
+        ns[f].__kwdefaults__ = {"batch_size": 64} if f == "run" else None
+    assert default_batch("train(m)", ns).path == ("train", "bs")
+    assert default_batch("train(m)", ns).value == 128
+    assert default_batch("run()", ns).path == ("run", "batch_size")
+    for passed in ("train(m, 1, 32)", "train(m, bs=32)", "train(*xs)", "train(m, **kw)", "m.train()"):
+        assert default_batch(passed, ns) is None, passed
