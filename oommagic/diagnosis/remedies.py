@@ -354,6 +354,10 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
     )
 
 
+# Where a batch lives in the cell's own text (or a call of it): a rewrite writes the new number there.
+WRITTEN = ("source", "expression", "step", "shape", "call")
+
+
 def batch_source(
     source: str, helpers: tuple[tuple[str, str], ...], guess: BatchGuess, new: int, acc: int
 ) -> tuple[str | None, bool]:
@@ -363,7 +367,7 @@ def batch_source(
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
-    written = guess.where in ("source", "expression", "step", "shape", "call")
+    written = guess.where in WRITTEN
     rewritten = rewrite_batch(source, guess, new, acc) if written else source
     if rewritten is None:
         return None, False
@@ -403,7 +407,7 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     p = remedy.params
     if remedy.new_source is None:
         return source
-    if remedy.kind == "batch" and p.get("where") in ("source", "expression", "step", "shape", "call"):
+    if remedy.kind == "batch" and p.get("where") in WRITTEN:
         guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
         return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1))[0] or source
     if remedy.kind in ("max_new_tokens", "num_beams"):

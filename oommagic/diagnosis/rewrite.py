@@ -43,17 +43,9 @@ def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: in
         return None
     src = SourceText(source)
     if guess.where == "call":
-        # `train(enc)` → `train(enc, bs=64)`: every call of the function by its own name (not a method of
-        # the same name, `model.train()`).
+        # `train(enc)` → `train(enc, bs=64)`; a method of the same name (`model.train()`) stays.
         func, keyword = guess.path
-        calls = [
-            n
-            for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == func
-        ]
-        if not calls:
-            return None
-        return _checked(_apply(source, [_insert_keyword(src, c, f"{keyword}={new_value}") for c in calls]))
+        return set_call_keyword(source, func, keyword, new_value, methods=False)
     if guess.where in ("expression", "step", "shape"):
         # `cfg.batch_size` / `S["batch"]` read by the cell, or a loop's literal step and slice ends:
         # each occurrence becomes the new number (a plain loop gets no invented accumulation).
@@ -169,17 +161,22 @@ def _checked(source: str) -> str | None:
 
 
 def set_call_keyword(
-    source: str, func_attr: str, keyword: str, value: object, replace: bool = True
+    source: str, func_attr: str, keyword: str, value: object, replace: bool = True, methods: bool = True
 ) -> str | None:
     """Return the cell with ``keyword=value`` in every call to ``func_attr`` (``generate`` matches
-    ``model.generate(...)``; ``tokenizer`` matches ``tokenizer(...)``), replacing the keyword's value
-    where it is already passed (left as it is with ``replace=False``). None when the cell makes no such
-    call."""
+    ``model.generate(...)``; ``tokenizer`` matches ``tokenizer(...)``; with ``methods=False`` only a call
+    by that plain name), replacing the keyword's value where it is already passed (left as it is with
+    ``replace=False``). None when the cell makes no such call."""
     tree = tree_of(source)
     if tree is None:
         return None
     src = SourceText(source)
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and call_matches(n.func, func_attr)]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and (call_matches(n.func, func_attr) if methods else dotted_name(n.func) == func_attr)
+    ]
     if not calls:
         return None
     edits = []
