@@ -271,10 +271,10 @@ class CudaRecorder:
         )
 
     def recording(self) -> Recording:
-        """The figures and the timeline (replayed from the trace at the cell's end)."""
-        if self.timeline:
-            timeline = self._timeline if self._timeline is not None else self._replay()
-        else:
+        """The figures and the timeline (replayed from the trace at the cell's end; with ``--no-timeline``
+        only the start and the end)."""
+        timeline = self._timeline
+        if timeline is None:
             timeline = Timeline(
                 t=(0.0, max(self._end - self._start, 0.0)),
                 allocated=(self._before[0], self._after[0]),
