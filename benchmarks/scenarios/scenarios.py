@@ -119,24 +119,30 @@ def add(*a, **kw) -> None:
 
 
 # A GPT-2 with AdamW, measured over two training steps (`p_train`): the cells scenarios size their limit from.
-GPT2_TRAINED = [
-    GPT2,
-    probe(
-        "setup",
-        """
+def gpt2_trained(first: str = GPT2, batch: str = 'S["batch"]') -> list:
+    """The setup cell ``first`` (GPT-2's imports and config), the model with its optimizer, and the probe
+    of two training steps at ``batch`` (source text)."""
+    return [
+        first,
+        probe(
+            "setup",
+            """
 model = GPT2LMHeadModel(config).to(device)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
-    ),
-    probe(
-        "p_train",
-        """
+        ),
+        probe(
+            "p_train",
+            f"""
 for step in range(2):
-    ids = torch.randint(0, S["vocab"], (S["batch"], S["seq"]), device=device)
+    ids = torch.randint(0, S["vocab"], ({batch}, S["seq"]), device=device)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()""",
-    ),
-]
+        ),
+    ]
+
+
+GPT2_TRAINED = gpt2_trained()
 
 
 # 1. HF Trainer, training ----------------------------------------------------------------------------------
@@ -512,8 +518,9 @@ add(
     "other_process",
     "another process on the same GPU holds most of it; the training cell gets what is left",
     [
-        GPT2
-        + '''import subprocess, sys
+        *gpt2_trained(
+            GPT2
+            + '''import subprocess, sys
 HOLDER = """
 import os, sys, time, torch
 x = torch.empty(int(sys.argv[1]), dtype=torch.uint8, device="cuda")
@@ -524,20 +531,7 @@ for _ in range(900):
         break
     time.sleep(1)
 """''',
-        probe(
-            "setup",
-            """
-model = GPT2LMHeadModel(config).to(device)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)""",
-        ),
-        probe(
-            "p_train",
-            """
-for step in range(2):
-    ids = torch.randint(0, S["vocab"], (8, S["seq"]), device=device)
-    model(input_ids=ids, labels=ids).loss.backward()
-    optimizer.step()
-    optimizer.zero_grad()""",
+            batch="8",
         ),
         """torch.cuda.empty_cache()
 free, total = torch.cuda.mem_get_info()
