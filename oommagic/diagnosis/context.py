@@ -27,7 +27,17 @@ from typing import Any
 from ..oom import OOMReport
 from ..timeline import Recording
 from . import source as cell
-from .findings import DiagnosisContext, EvalLoader, Frame, Kept, Leftover, Loading, ModelInfo, Pin
+from .findings import (
+    DiagnosisContext,
+    EvalLoader,
+    Frame,
+    Kept,
+    Leftover,
+    Loading,
+    ModelInfo,
+    OptimizerInfo,
+    Pin,
+)
 from .holdings import (
     IPYTHON_NAME,
     SKIPPED_TYPES,
@@ -38,6 +48,7 @@ from .holdings import (
     instance_dict,
     model_infos,
     namespace_holdings,
+    optimizer_infos,
     optimizer_params,
     tensor_storages,
 )
@@ -69,6 +80,7 @@ class NamespaceScan:
 
     leftovers: tuple[Leftover, ...] = ()
     models: tuple[ModelInfo, ...] = ()
+    optimizers: tuple[OptimizerInfo, ...] = ()
     ints: tuple[tuple[str, int], ...] = ()
     generation: bool = False
     prompt_tokens: int | None = None
@@ -119,6 +131,7 @@ def scan_namespace(
         return NamespaceScan(
             leftovers=leftovers,
             models=models,
+            optimizers=optimizer_infos(namespace, Reader(where)),
             ints=ints,
             generation=generation,
             prompt_tokens=prompt_tokens(source, namespace),
@@ -423,6 +436,7 @@ def make_context(
         or cell.shape_batch(source)
         or scan.call_batch,
         models=scan.models,
+        optimizers=scan.optimizers,
         other_gpus=other_gpus,
         processes=processes,
         owners=tuple((pid, *process_owner(pid)) for pid, _, _ in processes),

@@ -27,6 +27,7 @@ __all__ = [
     "Leftover",
     "Loading",
     "ModelInfo",
+    "OptimizerInfo",
     "Pin",
     "Remedy",
     "Request",
@@ -63,6 +64,7 @@ KINDS = frozenset(
         "logits_to_keep",
         "quantized_cache",
         "skip_long",
+        "step_per_tensor",
     }
 )
 
@@ -246,6 +248,20 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class OptimizerInfo:
+    """An optimizer bound to a name in the namespace: its class, whether its step runs the foreach
+    implementation (one kernel over every parameter at a time, with temporaries the size of all of them;
+    torch's default where the parameters are on a GPU), and the bytes of its parameters on the device and
+    of the largest one."""
+
+    name: str
+    kind: str
+    foreach: bool
+    param_bytes: int
+    largest: int
+
+
+@dataclass(frozen=True)
 class DiagnosisContext:
     """What the rules need beyond the report: the cell, its timeline, the namespace and the machine."""
 
@@ -258,6 +274,7 @@ class DiagnosisContext:
     leftovers: tuple[Leftover, ...] = ()
     batch: BatchGuess | None = None
     models: tuple[ModelInfo, ...] = ()
+    optimizers: tuple[OptimizerInfo, ...] = ()  # those bound to names in the namespace
     other_gpus: tuple[tuple[int, int], ...] = ()  # (cuda index, free bytes)
     processes: tuple[tuple[int, str, int], ...] = ()  # (pid, name, bytes) of other processes, from NVML
     owners: tuple[tuple[int, str | None, str | None], ...] = ()  # (pid, user, command line), from /proc

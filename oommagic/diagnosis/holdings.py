@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .findings import ModelInfo
+from .findings import ModelInfo, OptimizerInfo
 
 # IPython's own names: output history (`_`, `__`, `_3`, `Out`), input history (`_i`, `_ii`, `_i3`, `In`).
 IPYTHON_NAME = re.compile(r"_+|_i+|_i?\d+|_[oid]h|In|Out|exit|quit|get_ipython|__\w+__")
@@ -339,6 +339,36 @@ def optimizer_storages(optimizer: Any, device: Any, reader: Reader | None = None
             if reader.kind(type(value)) == _TENSOR:
                 reader.tensor(value, storages)
     return storages
+
+
+def optimizer_infos(namespace: Mapping, reader: Reader) -> tuple[OptimizerInfo, ...]:
+    """The optimizers bound to names in ``namespace``, with what their step allocates on the reader's
+    device. Reads their ``param_groups`` (a plain attribute) and the parameters' sizes only."""
+    found = []
+    for name, value in list(namespace.items()):
+        if reader.kind(type(value)) != _OPTIMIZER or IPYTHON_NAME.fullmatch(name):
+            continue
+        with contextlib.suppress(Exception):
+            groups = instance_dict(value).get("param_groups") or []
+            sizes = [
+                p.numel() * p.element_size() for g in groups for p in g.get("params", ()) if reader.on(p)
+            ]
+            if sizes:
+                foreach = any(_steps_foreach(g, reader) for g in groups)
+                found.append(OptimizerInfo(name, type(value).__name__, foreach, sum(sizes), max(sizes)))
+    return tuple(found)
+
+
+def _steps_foreach(group: Mapping, reader: Reader) -> bool:
+    """Whether a parameter group's step runs torch's foreach implementation: asked for, or left to torch
+    (None), which picks it where every parameter is a tensor on a GPU; never beside ``fused`` or
+    ``differentiable``, nor for an optimizer without the setting."""
+    if "foreach" not in group or group.get("fused") or group.get("differentiable"):
+        return False
+    if group["foreach"] is not None:
+        return bool(group["foreach"])
+    params = group.get("params", ())
+    return bool(params) and all(getattr(p, "is_cuda", False) for p in params if reader.on(p))
 
 
 def optimizer_params(optimizer: Any) -> list:

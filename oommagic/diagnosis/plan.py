@@ -27,6 +27,7 @@ _TIER = {
     "split_generate": 0,
     "checkpointing": 0,
     "logits_to_keep": 0,
+    "step_per_tensor": 0,
     "autocast": 1,
     "quantize": 1,
     "kv_cache": 1,

@@ -446,6 +446,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
     if remedy.kind == "logits_to_keep":
         return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
+    if remedy.kind == "step_per_tensor":
+        return step_per_tensor_source(source, list(p["optimizers"]))
     if remedy.kind == "eval_batch" and p.get("loader"):
         return loader_source(source, EvalLoader(**p["loader"]), p["new"]) or source
     if remedy.kind == "eval_batch":
@@ -639,6 +641,35 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
         code=changed_lines(ctx.source, new_source) if new_source else "with torch.inference_mode():\n    ...",
         automatic=new_source is not None,
         params={"models": sorted(names), "eval": list(to_eval)},
+        new_source=new_source,
+    )
+
+
+def step_per_tensor_source(source: str, optimizers: list[str]) -> str:
+    """``source`` with the optimizers' foreach step switched off first, in every parameter group."""
+    lines = [
+        f"for param_group in {name}.param_groups:  # oommagic: step one tensor at a time\n"
+        f'    param_group["foreach"] = False\n'
+        for name in optimizers
+    ]
+    return "".join(lines) + source
+
+
+def step_per_tensor(ctx: DiagnosisContext, fig: Figures, optimizers: list[str], saving: int | None) -> Remedy:
+    """The optimizers' step one parameter at a time (``foreach=False`` in every parameter group): the same
+    update, without temporaries the size of all the parameters at once."""
+    new_source = step_per_tensor_source(ctx.source, optimizers)
+    return _made(
+        fig,
+        "step_per_tensor",
+        f"Step {', '.join(optimizers)} one tensor at a time (foreach=False)",
+        "The foreach step updates every parameter in one go, with temporaries the size of all of them; "
+        "one tensor at a time, the temporaries are the size of the largest parameter. The update is the "
+        "same; the step takes a little longer (more, smaller kernels).",
+        saving,
+        code=changed_lines(ctx.source, new_source),
+        automatic=True,
+        params={"optimizers": optimizers},
         new_source=new_source,
     )
 

@@ -69,7 +69,12 @@ WEIGHT = {
     "long_samples": 1.2,
     "reserved_churn": 0.3,
     "limit": 0.1,  # context, not a fix: the limit was chosen on purpose
+    "optimizer_step": 1.0,  # the parameters' bytes, read from the optimizer
 }
+# Optimizers whose foreach step makes a temporary the size of all their parameters (the square root of
+# the second moments, or of the sums of squares): what stepping one tensor at a time saves, less the
+# largest parameter's.
+ADAPTIVE = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax", "Adagrad", "RMSprop", "Adadelta"})
 _FIXED_SCORE = ("async_error", "too_large", "limit")
 
 
@@ -724,6 +729,32 @@ def _autograd(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> 
     return _finding("autograd", "Autograd on in inference", evidence, [fix.no_grad(ctx, fig, saving)], fig)
 
 
+def _optimizer_step(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """The memory ran out inside an optimizer's step that runs torch's foreach implementation."""
+    if not any("/torch/optim/" in f.file.replace("\\", "/") for f in ctx.frames):
+        return None
+    stepping = [o for o in ctx.optimizers if o.foreach and o.name.isidentifier()]
+    if not stepping:
+        return None
+    saving = sum(o.param_bytes - o.largest for o in stepping if o.kind in ADAPTIVE) or None
+    parts = [f"{o.name} ({o.kind}, {fmt(o.param_bytes)} of parameters)" for o in stepping]
+    evidence = (
+        f"The memory ran out inside the optimizer's step: {', '.join(parts)} "
+        f"{'steps' if len(stepping) == 1 else 'step'} with torch's foreach implementation (its default "
+        "where the parameters are on a GPU), which updates every parameter at once"
+    )
+    if saving:
+        largest = max(o.largest for o in stepping)
+        evidence += (
+            f", with temporaries the size of all of them; one tensor at a time they are at most "
+            f"{fmt(largest)}, the largest parameter."
+        )
+    else:
+        evidence += "."
+    remedy = fix.step_per_tensor(ctx, fig, [o.name for o in stepping], saving)
+    return _finding("optimizer_step", "The optimizer's step", evidence, [remedy], fig)
+
+
 def _pinned(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     """Device memory held outside the namespace's variables while the cell ran."""
     pinned = sum(p.bytes for p in ctx.pins)
@@ -842,6 +873,7 @@ RULES: tuple[Rule, ...] = (
     _growth,
     _kept,
     _autograd,
+    _optimizer_step,
     _pinned,
     _long_samples,
     _reserved_churn,

@@ -30,6 +30,7 @@ SOURCE_ONLY = frozenset(
         "logits_to_keep",
         "quantized_cache",
         "skip_long",
+        "step_per_tensor",
     }
 )
 

@@ -99,3 +99,35 @@ def test_outputs_kept_across_iterations_move_to_the_host(shell, cell):
     assert new.outcome == "ok" and shell.user_ns["outs_gpu"][0].device.type == "cpu"
     for name in ("head_gpu", "xs_gpu", "outs_gpu"):
         shell.user_ns.pop(name, None)
+
+
+def test_an_optimizer_step_that_runs_out_on_cuda_steps_one_tensor_at_a_time_and_fits(shell, cell):
+    # 512 MiB of parameters on the GPU: weights, gradients and AdamW's moments take 2 GiB; the foreach step
+    # (torch's default here) adds 512 MiB of square roots at once, one tensor at a time 64 MiB.
+    cell(
+        "torch.manual_seed(0)\n"
+        "wide_gpu = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(8)]).cuda()\n"
+        "wide_opt = torch.optim.AdamW(wide_gpu.parameters(), lr=1e-4)\n"
+        "x_wide = torch.randn(64, 4096, device='cuda')\n"
+    )
+    try:
+        cell(
+            "%%gpumem --limit 2.4GiB --quiet\n"
+            "for _ in range(2):\n"
+            "    wide_gpu(x_wide).square().mean().backward()\n"
+            "    wide_opt.step()\n"
+            "    wide_opt.zero_grad(set_to_none=True)\n"
+        )
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        finding = next(f for f in run.findings if f.key == "optimizer_step")
+        print(finding.evidence)
+        print([e.line() for e in run.plan.entries])
+        assert run.plan.entries[0].kind == "step_per_tensor" and run.plan.entries[0].verdict == "fits"
+        assert all(g["foreach"] is None for g in shell.user_ns["wide_opt"].param_groups), "trials restored"
+        new = session_for(shell).retry(run, fix_of(run, "step_per_tensor"))
+        print(new.headline())
+        assert new.outcome == "ok"
+    finally:
+        for name in ("wide_gpu", "wide_opt", "x_wide"):
+            shell.user_ns.pop(name, None)

@@ -408,6 +408,65 @@ def test_a_batch_whose_probes_peak_in_the_optimizer_step_keeps_a_micro_batch_nea
     assert entry.peak > 0.9 * fitted.peak_reserved, (entry.peak, fitted.peak_reserved)
 
 
+FOREACH_SETUP = """%%gpumem --quiet
+torch.manual_seed(0)
+layers = [torch.nn.Linear(256, 1024), torch.nn.GELU()]
+for _ in range(6):
+    layers += [torch.nn.Linear(1024, 1024), torch.nn.GELU()]
+deep = torch.nn.Sequential(*layers, torch.nn.Linear(1024, 10))
+# foreach: torch's default for parameters on a GPU; on CPU it has to be asked for.
+deep_opt = torch.optim.AdamW(deep.parameters(), lr=1e-4, foreach=True)
+pairs = [(torch.randn(64, 256), torch.randint(0, 10, (64,))) for _ in range(4)]
+"""
+FOREACH_LOOP = """\
+for xb, yb in pairs:
+    loss = torch.nn.functional.cross_entropy(deep(xb), yb)
+    loss.backward()
+    deep_opt.step()
+    deep_opt.zero_grad(set_to_none=True)
+"""
+
+
+def test_an_optimizer_step_that_runs_out_steps_one_tensor_at_a_time_and_fits(shell, run_cell):
+    # 25 MiB of parameters: weights, gradients and AdamW's moments are 100 MiB; the foreach step's square
+    # roots of the second moments are 25 MiB more at once, one tensor at a time 4 MiB. No batch size, no
+    # precision, no checkpointing helps: the step is the peak.
+    run_cell(FOREACH_SETUP)
+    opt = shell.user_ns["deep_opt"]
+    run_cell(f"%%gpumem --limit 116MiB --quiet --no-raise --plan-budget 60\n{FOREACH_LOOP}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    # The plan's trials put the setting back.
+    assert all(g["foreach"] is True for g in opt.param_groups)
+    finding = next(f for f in failed.findings if f.key == "optimizer_step")
+    assert "deep_opt (AdamW, 25.07 MiB of parameters)" in finding.evidence, finding.evidence
+    params = sum(p.nbytes for p in shell.user_ns["deep"].parameters())
+    assert finding.remedies[0].saving == params - 4 * 2**20, "all the parameters less the largest"
+    widget = ReportWidget(failed, session_for(shell))
+    fix = widget.fixes[0]
+    assert fix.kind == "step_per_tensor" and fix.verdict == "fits", widget.fixes
+    fitted = widget.click(fix.kind)
+    assert fitted.outcome == "ok", fitted.headline()
+    assert fitted.source.startswith("for param_group in deep_opt.param_groups:"), fitted.source
+    # The accepted run keeps it.
+    assert all(g["foreach"] is False for g in opt.param_groups)
+
+
+def test_the_optimizer_step_finding_needs_the_failure_in_the_step_and_a_foreach_optimizer(shell, run_cell):
+    run_cell(FOREACH_SETUP.replace("foreach=True", "foreach=False"))
+    run_cell(f"%%gpumem --limit 106MiB --quiet --no-raise --plan-budget 0\n{FOREACH_LOOP}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and "/torch/optim/" in "".join(f.file for f in failed.context.frames)
+    assert not [f for f in failed.findings if f.key == "optimizer_step"], "already one tensor at a time"
+    run_cell(FOREACH_SETUP)
+    # Out of memory in the backward pass (the gradients): the step was never reached.
+    run_cell(f"%%gpumem --limit 40MiB --quiet --no-raise --plan-budget 0\n{FOREACH_LOOP}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom"
+    assert not any("/torch/optim/" in f.file for f in failed.context.frames)
+    assert not [f for f in failed.findings if f.key == "optimizer_step"]
+
+
 TRAIN_HELPER = """%%gpumem --quiet
 torch.manual_seed(0)
 seqs = torch.randn(1024, 32, 256)
