@@ -5,7 +5,6 @@ its frees back."""
 
 from __future__ import annotations
 
-import gc
 import pickle
 from types import SimpleNamespace
 
@@ -13,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from oommagic.categories import Block, live_at
-from oommagic.run.capture import trace as trace_module
 from oommagic.run.capture.cuda import SKIPPED_ACTIONS, record_history
 from oommagic.run.capture.snapshot_file import for_viewer, write_snapshot
 from oommagic.run.capture.trace import (
@@ -108,13 +106,10 @@ def assert_same_replay(snapshot, start_us=0.0, before=(0, 0), origin_us=None, li
     start = start_blocks(replayed, blocks)
     assert list(start.items()) == list(reference_start(events, blocks).items())
     assert live_at(start, replayed, replayed.peak) == live_at(start, events, peak)
-    # Packed into columns (what a recorder keeps of a long trace), the snapshot replays the same and
-    # unpacks to itself.
-    traces = snapshot.get("device_traces") or []
-    columns = PackedTrace.pack(traces[0]) if traces else None
-    if columns is not None:
-        kept = {**snapshot, "device_traces": [columns, *traces[1:]]}
-        assert unpacked(kept) == snapshot
+    # Packed into columns (what a recorder keeps), the snapshot replays the same and unpacks to itself.
+    kept = packed(snapshot)
+    assert unpacked(kept) == snapshot
+    if kept is not snapshot and isinstance(kept["device_traces"][0], PackedTrace):
         again = TraceEvents()
         assert cuda_timeline(kept, 0, start_us, before, steps, origin_us, events=again) == timeline
         assert list(again) == [(*e[:4], None) for e in events]
@@ -294,24 +289,6 @@ def test_a_trace_is_kept_as_columns_and_given_back_as_the_allocators_dicts():
         and back["device_traces"][0][0]["frames"] is not back["device_traces"][0][1]["frames"]
     )
     assert unpacked(snapshot) is snapshot
-
-
-def test_a_trace_the_collector_does_not_track_is_kept_as_the_allocator_gave_it(monkeypatch):
-    # No frames (a history without stacks): ints and strings only, dicts the collector never walks.
-    snapshot = small_op_loop(1_000, completed=False)
-    trace = snapshot["device_traces"][0]
-    assert not any(map(gc.is_tracked, trace))
-    assert packed(snapshot) is snapshot and unpacked(snapshot) is snapshot
-    # A long one is packed all the same: columns take a fifth of the dicts' memory.
-    monkeypatch.setattr(trace_module, "KEPT_AS_GIVEN", len(trace) - 1)
-    kept = packed(snapshot)
-    assert isinstance(kept["device_traces"][0], PackedTrace) and unpacked(kept) == snapshot
-    # Frames on the allocs (a history with stacks; an empty frames list is a container too): packed.
-    monkeypatch.setattr(trace_module, "KEPT_AS_GIVEN", 100_000)
-    for entry in trace:
-        if entry["action"] == "alloc":
-            entry["frames"] = []
-    assert isinstance(packed(snapshot)["device_traces"][0], PackedTrace)
 
 
 def test_a_trace_with_frames_is_kept_as_it_is():

@@ -129,8 +129,8 @@ class CudaRecorder:
     def __exit__(self, *exc: Any) -> None:
         torch = self._torch
         self._busy.stop()
-        # The snapshot's entries are made, replayed and packed where that helps (``packed``) with the
-        # collector paused: none of its collections would free anything.
+        # The snapshot's entries are replayed and packed before the collector runs again: they are gone
+        # (their columns stay) before it could walk them.
         with collector_paused():
             try:
                 allocated, reserved, peak_allocated, peak_reserved = counters(torch, self.index)

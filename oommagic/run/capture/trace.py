@@ -11,7 +11,6 @@ collector some 25 times per cell.
 
 from __future__ import annotations
 
-import gc
 import linecache
 import os
 from collections.abc import Iterator, Sequence
@@ -154,10 +153,12 @@ _FIELDS = itemgetter(*_FIELD_NAMES)
 
 class PackedTrace:
     """One device's trace entries kept as a column per key (``pack``), what the entries' dicts were for a
-    run's whole life: 20,000 dicts and as many empty frame lists per cell were 40,000 objects the garbage
-    collector walked at each full collection. ``entries()`` gives the dicts back, equal to the
-    allocator's, for the viewer. Entries whose keys differ from the first's (an oom's ``device_free``)
-    are kept whole."""
+    run's whole life: a fifth of their memory, and where the entries carry frame lists (torch versions
+    that give each entry one, empty without stacks) no container per entry for the garbage collector to
+    walk at each full collection. Keeping the dicts instead, where torch 2.11 gives dicts the collector
+    does not track, measured no faster per cell on an H100 host. ``entries()`` gives the dicts back, equal
+    to the allocator's, for the viewer. Entries whose keys differ from the first's (an oom's
+    ``device_free``) are kept whole."""
 
     __slots__ = ("columns", "empty_frames", "keys", "length", "whole")
 
@@ -243,35 +244,10 @@ class PackedTrace:
         return out
 
 
-# A trace whose entries the garbage collector does not track is kept as the allocator gave it, up to this
-# many entries (~270 bytes of dict each, 27 MB at most per kept run): its dicts hold only ints and strings
-# (no frames: the history has no stacks), so a collection never walks them, and packing them costs more
-# than it saves (on an H100 host, 8.2 ms for the 20,000 entries of 10,000 small ops, against ~4 ms the
-# replay gains from columns). A longer trace, or one with frames, is packed.
-KEPT_AS_GIVEN = 100_000
-
-
 def packed(snapshot: dict) -> dict:
-    """``snapshot`` with each device's trace packed (``PackedTrace``) where that helps: entries the
-    collector tracks (frame lists), or more than ``KEPT_AS_GIVEN``. A new dict where any was packed."""
-    traces = list(snapshot.get("device_traces") or ())
-    changed = False
-    for i, trace in enumerate(traces):
-        if len(trace) <= KEPT_AS_GIVEN and not _tracked(trace):
-            continue
-        kept = PackedTrace.pack(trace)
-        if kept is not None:
-            traces[i], changed = kept, True
-    return {**snapshot, "device_traces": traces} if changed else snapshot
-
-
-def _tracked(trace: list) -> bool:
-    """Whether the collector tracks the entries of ``trace``, from 64 of them spread over it and the last:
-    a history gives every alloc the same keys and kinds of values (frames, a list, where it records
-    stacks). Asking each of 20,000 took up to 2.7 ms on an H100 host (a cache miss per dict)."""
-    return bool(trace) and (
-        any(map(gc.is_tracked, trace[:: max(1, len(trace) // 64)])) or gc.is_tracked(trace[-1])
-    )
+    """``snapshot`` with each device's trace packed (``PackedTrace``) where it can be: a new dict."""
+    traces = [PackedTrace.pack(t) or t for t in snapshot.get("device_traces") or ()]
+    return {**snapshot, "device_traces": traces} if traces else snapshot
 
 
 def unpacked(snapshot: dict) -> dict:
