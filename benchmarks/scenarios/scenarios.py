@@ -803,6 +803,57 @@ queries = torch.randn(16, S["dim"], device=device)""",
     expect="expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)",
 )
 
+# 21. The optimizer's first step runs out: the foreach step's temporaries ------------------------------------
+STEP_LOOP = """
+for xb, yb in batches:
+    loss = F.cross_entropy(net(xb.to(device)), yb.to(device))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)"""
+add(
+    "optimizer_step",
+    "a deep MLP fine-tuned with AdamW at a small batch: the first step's moments and foreach temporaries",
+    [
+        """def block():
+    return nn.Sequential(nn.Linear(S["dim"], S["dim"]), nn.GELU())
+net = nn.Sequential(*[block() for _ in range(S["layers"])], nn.Linear(S["dim"], 10)).to(device)
+batches = [(torch.randn(S["batch"], S["dim"]), torch.randint(0, 10, (S["batch"],))) for _ in range(4)]
+params = sum(p.numel() * p.element_size() for p in net.parameters())""",
+        # The same steps one tensor at a time: the card is sized halfway to the foreach step's peak.
+        probe("p_step", "opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False)" + STEP_LOOP),
+        "LIMIT = mib(p_step.peak_reserved + params // 2)\nLIMIT",
+        # foreach: torch's default for parameters on a GPU; on CPU it has to be asked for.
+        "opt = torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=True)",
+        oom(STEP_LOOP),
+    ],
+    cpu=dict(dim=512, layers=8, batch=16),
+    gpu=dict(dim=4096, layers=12, batch=16),
+    expect="the optimizer stepped one tensor at a time (foreach=False)",
+    notes="the failed step leaves in opt.state the AdamW moments it had made: the optimizer's own state",
+)
+
+# 22. A model called on a whole tensor at once, under no_grad ------------------------------------------------
+add(
+    "whole_tensor_inference",
+    "scores for a whole test set in one call of an MLP under no_grad",
+    [
+        """scorer = nn.Sequential(nn.Linear(S["dim"], S["wide"]), nn.ReLU(), nn.Linear(S["wide"], S["wide"]),
+                       nn.ReLU(), nn.Linear(S["wide"], 10)).to(device).eval()
+X_test = torch.randn(S["rows"], S["dim"], device=device)""",
+        probe("p_rows", "with torch.no_grad():\n    scorer(X_test[:S['rows'] // 16])"),
+        # Room for a quarter of the rows at once.
+        "LIMIT = mib(p_rows.before_allocated + 4 * (p_rows.peak_reserved - p_rows.before_allocated))\nLIMIT",
+        oom("""
+with torch.no_grad():
+    scores = scorer(X_test)
+preds = scores.argmax(-1)
+preds.bincount(minlength=10)"""),
+    ],
+    cpu=dict(dim=128, wide=2048, rows=8192),
+    gpu=dict(dim=1024, wide=8192, rows=65536),
+    expect="the rows in chunks",
+)
+
 # The author's fix for each fittable scenario: run by the runner under the same LIMIT when the clicks did
 # not reach a fit, to tell "the product missed a fit" from "the scenario has none".
 CONTROLS = {
@@ -866,6 +917,10 @@ for step in range(S["steps"]):
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
     optimizer.zero_grad()""",
+    "optimizer_step": "for group in opt.param_groups:\n    group['foreach'] = False\n" + STEP_LOOP,
+    "whole_tensor_inference": """
+with torch.no_grad():
+    scores = torch.cat([scorer(rows) for rows in X_test.split(S["rows"] // 8)])""",
     "two_fixes_ckpt_batch": "model.gradient_checkpointing_enable()\n" + CK.replace("{B}", "2"),
     "two_fixes_leftover_batch": "token_table = None\n" + LB.replace("{B}", "8"),
     "keeps_logits": """

@@ -37,6 +37,7 @@ from .findings import (
     ModelInfo,
     OptimizerInfo,
     Pin,
+    RowsCall,
 )
 from .holdings import (
     IPYTHON_NAME,
@@ -100,6 +101,7 @@ class NamespaceScan:
     eval_loader: EvalLoader | None = None
     kv_backends: tuple[str, ...] | None = None
     batch_shape: tuple[str, int, int] | None = None
+    rows_call: RowsCall | None = None
 
 
 def scan_namespace(
@@ -142,6 +144,7 @@ def scan_namespace(
             or expression_batch(source, namespace)
             or loader_batch(source, namespace, line),
             call_batch=default_batch(source, namespace),
+            rows_call=_quietly(rows_call, source, namespace, line),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
             grad_enabled=bool(torch.is_grad_enabled()),
@@ -462,6 +465,7 @@ def make_context(
         eval_loader=scan.eval_loader if evaluating else None,
         kv_backends=scan.kv_backends,
         batch_shape=scan.batch_shape,
+        rows_call=scan.rows_call,
         pins=scan.pins,
         loading=scan.loading,
         installed=scan.installed,
@@ -665,6 +669,48 @@ def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
             if type(namespace.get(path[0])) is dict:
                 text = path[0] + "".join(f"[{p!r}]" for p in path[1:])
             return BatchGuess(text, value, "expression", path=path)
+    return None
+
+
+def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | None:
+    """The call on line ``line`` of the cell of a model of the namespace (``model``, or a submodule by
+    attribute: ``model.encoder``) on one tensor of the namespace with two rows or more: ``model(X_test)``.
+    Reads the modules' ``_modules`` and the tensor's shape only."""
+    import torch
+
+    tree = cell.tree_of(source)
+    if tree is None or line is None:
+        return None
+    text = cell.SourceText(source)
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call)
+            and node.lineno <= line <= (node.end_lineno or node.lineno)
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Name)
+            and all(k.arg is not None for k in node.keywords)
+        ):
+            continue
+        path, func = [], node.func
+        while isinstance(func, ast.Attribute):
+            path.append(func.attr)
+            func = func.value
+        if not isinstance(func, ast.Name):
+            continue
+        module = namespace.get(func.id)
+        for attr in reversed(path):
+            module = instance_dict(module).get("_modules", {}).get(attr) if module is not None else None
+        value = namespace.get(node.args[0].id)
+        # A recurrent layer or attention returns a tuple, whose state a join along rows would get wrong.
+        tuples = (torch.nn.RNNBase, torch.nn.MultiheadAttention)
+        if (
+            isinstance(module, torch.nn.Module)
+            and not isinstance(module, tuples)
+            and isinstance(value, torch.Tensor)
+            and value.dim() >= 1
+            and value.shape[0] >= 2
+        ):
+            return RowsCall(text.segment(node.func), node.args[0].id, int(value.shape[0]), node.lineno)
     return None
 
 

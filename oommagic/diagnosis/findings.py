@@ -31,6 +31,7 @@ __all__ = [
     "Pin",
     "Remedy",
     "Request",
+    "RowsCall",
     "figures",
 ]
 
@@ -65,6 +66,7 @@ KINDS = frozenset(
         "quantized_cache",
         "skip_long",
         "step_per_tensor",
+        "split_rows",
     }
 )
 
@@ -248,6 +250,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class RowsCall:
+    """A call on the cell's failing line of a model in the namespace on one tensor of the namespace
+    (``model(X_test)``): the callee as written, the tensor's name and its rows (first dimension)."""
+
+    func: str
+    arg: str
+    rows: int
+    line: int
+
+
+@dataclass(frozen=True)
 class OptimizerInfo:
     """An optimizer bound to a name in the namespace: its class, whether its step runs the foreach
     implementation (one kernel over every parameter at a time, with temporaries the size of all of them;
@@ -309,6 +322,7 @@ class DiagnosisContext:
     kv_backends: tuple[str, ...] | None = None
     # (name, samples, tokens) of the batch a training loop of the cell held when it failed
     batch_shape: tuple[str, int, int] | None = None
+    rows_call: RowsCall | None = None  # a model called on a whole tensor on the failing line
 
     @property
     def failing_line(self) -> int | None:

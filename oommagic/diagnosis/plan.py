@@ -28,6 +28,7 @@ _TIER = {
     "checkpointing": 0,
     "logits_to_keep": 0,
     "step_per_tensor": 0,
+    "split_rows": 0,
     "autocast": 1,
     "quantize": 1,
     "kv_cache": 1,

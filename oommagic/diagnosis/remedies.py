@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..sizes import format_bytes as fmt
-from .findings import DiagnosisContext, EvalLoader, Figures, Remedy
+from .findings import DiagnosisContext, EvalLoader, Figures, Remedy, RowsCall
 from .rewrite import (
     accumulate_loops,
     accumulates,
@@ -31,6 +31,7 @@ from .rewrite import (
     set_literal,
     skip_long_source,
     split_generate_source,
+    split_rows_source,
     truncate_source,
 )
 from .source import (
@@ -446,6 +447,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
         return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
     if remedy.kind == "logits_to_keep":
         return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
+    if remedy.kind == "split_rows":
+        return split_rows_source(source, p["func"], p["arg"], p["chunk"]) or source
     if remedy.kind == "step_per_tensor":
         return step_per_tensor_source(source, list(p["optimizers"]))
     if remedy.kind == "eval_batch" and p.get("loader"):
@@ -641,6 +644,24 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
         code=changed_lines(ctx.source, new_source) if new_source else "with torch.inference_mode():\n    ...",
         automatic=new_source is not None,
         params={"models": sorted(names), "eval": list(to_eval)},
+        new_source=new_source,
+    )
+
+
+def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int, saving: int | None) -> Remedy:
+    """The model called on ``chunk`` rows of its input at a time, the outputs joined."""
+    new_source = split_rows_source(ctx.source, call.func, call.arg, chunk)
+    return _made(
+        fig,
+        "split_rows",
+        f"Run {call.func} on {chunk} rows of {call.arg} at a time (of {call.rows})",
+        f"{call.func}({call.arg}) computes all {call.rows} rows at once, and the activations of every layer "
+        f"grow with them; {chunk} at a time holds one chunk's worth, and the outputs are joined with "
+        "`torch.cat`. Same results, a little slower.",
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else "",
+        automatic=new_source is not None,
+        params={"func": call.func, "arg": call.arg, "rows": call.rows, "chunk": chunk},
         new_source=new_source,
     )
 

@@ -538,6 +538,32 @@ def split_generate_source(source: str, chunk: int) -> str | None:
     return _checked(CHUNKED_GENERATE + "\n\n" + body)
 
 
+def split_rows_source(source: str, func: str, arg: str, chunk: int) -> str | None:
+    """The cell with each call ``func(arg, ...)`` run over ``chunk`` rows of ``arg`` at a time and the
+    outputs joined: ``model(X)`` → ``torch.cat([model(rows) for rows in X.split(1024)])``. None where the
+    cell makes no such call."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    edits = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and src.segment(node.func) == func
+            and len(node.args) == 1
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id == arg
+        ):
+            keywords = "".join(f", {src.segment(k)}" for k in node.keywords)
+            joined = f"torch.cat([{func}(rows{keywords}) for rows in {arg}.split({chunk})])"
+            edits.append((*src.span(node), joined))
+    if not edits:
+        return None
+    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    return _checked(("" if named else "import torch\n") + _apply(source, edits))
+
+
 def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) -> str | None:
     """The cell passing, where it passes the loader ``variable`` by ``keyword``, a new one over the same
     data with ``batch_size`` (``dataloaders=val_loader`` → ``dataloaders=torch.utils.data.DataLoader(

@@ -348,6 +348,18 @@ def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) 
         batch, note = _batch_remedy(ctx, fig, fig.training)
     evidence = _split_evidence(ctx, fig) + growth + note
     remedies = [batch]
+    call = ctx.rows_call
+    # With autograd on, every chunk's graph would stay with the joined output: nothing saved. A
+    # transformers model returns a ModelOutput, which torch.cat cannot join.
+    hf = {m.name for m in ctx.models if m.is_hf}
+    if (
+        not fig.training
+        and call
+        and (ctx.grad_enabled is False or call.line in grad_off_lines(ctx.source))
+        and _top(call.func) not in hf
+    ):
+        evidence += f" Line {call.line} runs {call.func} on all {call.rows} rows of {call.arg} at once."
+        remedies.append(_split_rows_remedy(ctx, fig))
     if ctx.autocast_on:
         evidence += " Autocast is already on."
     elif any(m.dtype in ("float32", "float") for m in ctx.models) and fig.demand is not None:
@@ -360,6 +372,21 @@ def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) 
         " in training" if fig.training else " in evaluation" if ctx.evaluating else ""
     )
     return _finding("activations", title, evidence, remedies, fig)
+
+
+def _split_rows_remedy(ctx: DiagnosisContext, fig: Figures) -> Remedy:
+    """The model on the failing line called on fewer rows of its input at a time: halved until the
+    activations that grow with the rows take at most half of what the budget leaves (the failed run's
+    demand is a lower bound: the layers after the one that failed were never reached)."""
+    call = ctx.rows_call
+    assert call is not None
+    chunk = max(call.rows // 2, 1)
+    if fig.activations and fig.budget is not None:
+        room = (fig.budget * (1 - MARGIN) - fig.fixed) / 2
+        while chunk > 1 and fig.activations * chunk / call.rows > room:
+            chunk //= 2
+    saving = fig.activations - fig.activations * chunk // call.rows if fig.activations else None
+    return fix.split_rows(ctx, fig, call, chunk, saving)
 
 
 def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | None, str]:

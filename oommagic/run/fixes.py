@@ -31,6 +31,7 @@ SOURCE_ONLY = frozenset(
         "quantized_cache",
         "skip_long",
         "step_per_tensor",
+        "split_rows",
     }
 )
 

@@ -10,6 +10,7 @@ from oommagic.diagnosis.rewrite import (
     keep_numbers_source,
     rewrite_batch,
     set_call_keyword,
+    split_rows_source,
     unified_diff,
 )
 from oommagic.diagnosis.source import BatchGuess, calls_with_keyword, find_batch, names_read, tokenizer_calls
@@ -357,3 +358,24 @@ def test_the_last_dimension_is_read_by_its_index_too_and_integer_indexing_drops_
     # Stacked pieces get a new first dimension: the reduction of 1-D pieces' only one moves in.
     stacked = classify.replace("torch.cat(probs)", "torch.stack(probs)")
     assert "probs.append(net(xb).argmax(-1))" in keep_numbers_source(stacked, {"probs": 1})
+
+
+def test_a_model_called_on_a_whole_tensor_is_called_on_chunks_of_its_rows_and_joined():
+    cell = (
+        "with torch.no_grad():\n"
+        "    out = net.encoder(X, mask=m)\n"
+        "    again = net.encoder(X)\n"
+        "print(out.shape)\n"
+    )
+    assert split_rows_source(cell, "net.encoder", "X", 512) == (
+        "with torch.no_grad():\n"
+        "    out = torch.cat([net.encoder(rows, mask=m) for rows in X.split(512)])\n"
+        "    again = torch.cat([net.encoder(rows) for rows in X.split(512)])\n"
+        "print(out.shape)\n"
+    ), "every call, keywords kept"
+    plain = "y = model(X)\n"
+    assert split_rows_source(plain, "model", "X", 64) == (
+        "import torch\ny = torch.cat([model(rows) for rows in X.split(64)])\n"
+    ), "torch imported where the cell does not name it"
+    assert split_rows_source(plain, "model", "Y", 64) is None
+    assert split_rows_source("y = model(X, Z)\n", "model", "X", 64) is None, "two inputs: not split"

@@ -131,3 +131,31 @@ def test_an_optimizer_step_that_runs_out_on_cuda_steps_one_tensor_at_a_time_and_
     finally:
         for name in ("wide_gpu", "wide_opt", "x_wide"):
             shell.user_ns.pop(name, None)
+
+
+def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fits(shell, cell):
+    # 65,536 rows through an 8192-wide layer at once: 2 GiB per layer output beside 300 MiB of weights.
+    cell(
+        "torch.manual_seed(0)\n"
+        "scorer_gpu = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(1024, 8192), torch.nn.ReLU(), torch.nn.Linear(8192, 8192), torch.nn.ReLU(),\n"
+        "    torch.nn.Linear(8192, 10)).cuda().eval()\n"
+        "X_gpu = torch.randn(65536, 1024, device='cuda')\n"
+        "with torch.no_grad():\n"
+        "    expected_gpu = scorer_gpu(X_gpu)\n"
+    )
+    try:
+        cell("%%gpumem --limit 2GiB --quiet\nwith torch.no_grad():\n    scores_gpu = scorer_gpu(X_gpu)\n")
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        print([e.line() for e in run.plan.entries])
+        assert run.plan.entries[0].kind == "split_rows" and run.plan.entries[0].verdict == "fits"
+        new = session_for(shell).retry(run, fix_of(run, "split_rows"))
+        print(new.headline())
+        assert new.outcome == "ok"
+        got, expected = shell.user_ns["scores_gpu"], shell.user_ns["expected_gpu"]
+        print(f"largest difference from the whole call: {(got - expected).abs().max().item():.3g}")
+        assert torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        for name in ("scorer_gpu", "X_gpu", "expected_gpu", "scores_gpu"):
+            shell.user_ns.pop(name, None)

@@ -467,6 +467,41 @@ def test_the_optimizer_step_finding_needs_the_failure_in_the_step_and_a_foreach_
     assert not [f for f in failed.findings if f.key == "optimizer_step"]
 
 
+ROWS_SETUP = """%%gpumem --quiet
+torch.manual_seed(0)
+scorer = torch.nn.Sequential(
+    torch.nn.Linear(128, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+    torch.nn.Linear(2048, 10)).eval()
+X_test = torch.randn(8192, 128)
+"""
+ROWS_CELL = """\
+with torch.no_grad():
+    logits = scorer(X_test)
+"""
+
+
+def test_a_model_called_on_a_whole_tensor_without_grad_runs_on_chunks_of_rows_and_fits(shell, run_cell):
+    # 8,192 rows through two 2048-wide layers at once: 112 MiB of activations beside 17 MiB of weights.
+    run_cell(ROWS_SETUP)
+    with torch.no_grad():
+        expected = shell.user_ns["scorer"](shell.user_ns["X_test"])
+    _, fix, fitted = first_click(80, ROWS_CELL, shell, run_cell)
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "torch.cat([scorer(rows) for rows in X_test.split(" in fitted.source, fitted.source
+    assert torch.equal(shell.user_ns["logits"], expected), "the same results"
+
+
+def test_a_model_called_on_a_whole_tensor_with_autograd_on_is_not_split(shell, run_cell):
+    # Each chunk's graph would stay with the joined output: splitting saves nothing there.
+    run_cell(ROWS_SETUP)
+    run_cell("%%gpumem --limit 80MiB --quiet --no-raise --plan-budget 0\nlogits = scorer(X_test)\n")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.context.rows_call is not None
+    assert "split_rows" not in {r.kind for f in failed.findings for r in f.remedies}
+    assert "no_grad" in {r.kind for f in failed.findings for r in f.remedies}
+
+
 TRAIN_HELPER = """%%gpumem --quiet
 torch.manual_seed(0)
 seqs = torch.randn(1024, 32, 256)
