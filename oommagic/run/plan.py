@@ -104,7 +104,10 @@ class _Measure:
         singles = [r for r in candidates(self.run) if r.kind != "batch"]
         batch = next((r for r in candidates(self.run) if r.kind == "batch"), None)
         for remedy in singles:
-            found.append(self.entry((remedy,)))
+            entry = self.entry((remedy,))
+            if remedy.kind == "split_rows":
+                entry = self.smaller_chunks(entry)
+            found.append(entry)
         if batch is not None:
             found.append(self.batch_entry(()) or self.entry((batch,)))
         # A fix that frees room (leftovers, checkpointing) can make a smaller batch fit where the batch
@@ -123,6 +126,23 @@ class _Measure:
         if not any(e.verdict == FITS for e in found):
             found += self.pairs(found)
         return found
+
+    def smaller_chunks(self, entry: PlanEntry) -> PlanEntry:
+        """A call on chunks of rows that still ran out, tried again on a quarter of the rows at a time,
+        twice at most: the chunk came from the failed run's activations, a lower bound where the layers
+        after the failing one were never reached."""
+        from ..diagnosis import remedies as fix
+
+        ctx = self.run.context
+        call = ctx.rows_call if ctx is not None else None
+        for _ in range(2):
+            chunk = entry.fixes[0].params.get("chunk", 1) // 4
+            if entry.verdict != DOES_NOT_FIT or entry.note or call is None or chunk < 1 or self.left() <= 0:
+                break
+            fig = figures(self.run.report, ctx)
+            saving = fig.activations - fig.activations * chunk // call.rows if fig.activations else None
+            entry = self.entry((fix.split_rows(ctx, fig, call, chunk, saving),))
+        return entry
 
     def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
         """Two fixes that each fell short, together (fewer beams and shorter outputs, autocast and

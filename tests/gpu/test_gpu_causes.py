@@ -149,8 +149,9 @@ def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fit
         run = last_run()
         assert run.outcome == "oom", run.headline()
         print([e.line() for e in run.plan.entries])
-        assert run.plan.entries[0].kind == "split_rows" and run.plan.entries[0].verdict == "fits"
-        new = session_for(shell).retry(run, fix_of(run, "split_rows"))
+        first = run.plan.entries[0]
+        assert first.kind == "split_rows" and first.verdict == "fits"
+        new = session_for(shell).retry(run, first.fixes[0])
         print(new.headline())
         assert new.outcome == "ok"
         got, expected = shell.user_ns["scores_gpu"], shell.user_ns["expected_gpu"]
