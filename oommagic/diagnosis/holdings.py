@@ -349,14 +349,28 @@ def optimizer_infos(namespace: Mapping, reader: Reader) -> tuple[OptimizerInfo, 
         if reader.kind(type(value)) != _OPTIMIZER or IPYTHON_NAME.fullmatch(name):
             continue
         with contextlib.suppress(Exception):
-            groups = instance_dict(value).get("param_groups") or []
+            groups, kind = _param_groups(value, reader)
             sizes = [
                 p.numel() * p.element_size() for g in groups for p in g.get("params", ()) if reader.on(p)
             ]
             if sizes:
                 foreach = any(_steps_foreach(g, reader) for g in groups)
-                found.append(OptimizerInfo(name, type(value).__name__, foreach, sum(sizes), max(sizes)))
+                found.append(OptimizerInfo(name, kind, foreach, sum(sizes), max(sizes)))
     return tuple(found)
+
+
+def _param_groups(optimizer: Any, reader: Reader) -> tuple[list, str]:
+    """(an optimizer's parameter groups, from its instance dict, and its class name); for a wrapper that
+    serves them through a property (accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer``), the wrapped optimizer's."""
+    found = instance_dict(optimizer)
+    if "param_groups" in found:
+        return found["param_groups"] or [], type(optimizer).__name__
+    for key in ("optimizer", "_optimizer"):
+        inner = found.get(key)
+        if inner is not None and reader.kind(type(inner)) == _OPTIMIZER:
+            return instance_dict(inner).get("param_groups") or [], type(inner).__name__
+    return [], type(optimizer).__name__
 
 
 def _steps_foreach(group: Mapping, reader: Reader) -> bool:

@@ -275,3 +275,38 @@ def test_the_scan_is_silent_and_calls_no_property():
         ctx = context("y = thing.model(non_leaf)\n", {"thing": Touchy(), "non_leaf": non_leaf})
     assert Touchy.calls == []
     assert any(lo.name == "thing" for lo in ctx.leftovers)
+
+
+def test_optimizers_are_read_with_whether_their_step_runs_foreach_and_their_parameters_bytes():
+    from oommagic.diagnosis.holdings import Reader, optimizer_infos
+
+    net = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    params = list(net.parameters())
+    ns = {
+        "asked": torch.optim.AdamW(params, foreach=True),
+        "off": torch.optim.AdamW(params, foreach=False),
+        "default": torch.optim.Adam(params),  # torch picks foreach for parameters on a GPU only
+        "fused": torch.optim.Adam(params, foreach=False, fused=True),
+        "sgd": torch.optim.SGD(params, lr=0.1, foreach=True),
+        "_": torch.optim.AdamW(params, foreach=True),  # IPython's own name
+    }
+    infos = {o.name: o for o in optimizer_infos(ns, Reader(torch.device("cpu")))}
+    assert set(infos) == {"asked", "off", "default", "fused", "sgd"}
+    assert [n for n, o in infos.items() if o.foreach] == ["asked", "sgd"]
+    total = sum(p.numel() * 4 for p in params)
+    assert infos["asked"] == infos["asked"].__class__("asked", "AdamW", True, total, 64 * 64 * 4)
+    # An optimizer on another device's parameters holds nothing here.
+    assert optimizer_infos({"asked": ns["asked"]}, Reader(torch.device("meta"))) == ()
+
+
+def test_an_optimizer_behind_lightnings_wrapper_is_read_through_it():
+    # LightningOptimizer, like accelerate's AcceleratedOptimizer (which needs an Accelerator's process-wide
+    # state to be made), serves the wrapped optimizer's param_groups through a property.
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from oommagic.diagnosis.holdings import Reader, optimizer_infos
+
+    params = list(nn.Linear(32, 32).parameters())
+    lit = LightningOptimizer(torch.optim.Adam(params, foreach=True))
+    infos = optimizer_infos({"lit": lit}, Reader(torch.device("cpu")))
+    assert [(o.name, o.kind, o.foreach) for o in infos] == [("lit", "Adam", True)]
