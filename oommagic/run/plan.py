@@ -238,8 +238,14 @@ class _Measure:
     # --- the batch: probes, a line, a check -----------------------------------------------------------
 
     def accumulated(self, base: tuple[Remedy, ...], remedy: Remedy) -> PlanEntry:
-        """The rewritten cell with its accumulation, run for two micro-batches."""
-        entry = self.entry((*base, remedy), bounds=Bounds(steps=None, backwards=2, seconds=self.left()))
+        """The rewritten cell with its accumulation, run through its first optimizer step and two
+        micro-batches after it: the steady state, where each backward pass adds to gradients kept beside
+        the optimizer's state (a temporary per parameter as it adds), which neither a probe nor the first
+        micro-batches hold."""
+        backwards = remedy.params.get("accumulate", 1) + 2 if self.training else 2
+        entry = self.entry(
+            (*base, remedy), bounds=Bounds(steps=None, backwards=backwards, seconds=self.left())
+        )
         if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
             entry = replace(entry, verdict=FITS, note="")
         return entry
@@ -304,7 +310,7 @@ class _Measure:
         if acc > 1:
             # Accumulating micro-batches keep the gradients between backward passes, which a probe (whose
             # zero_grad freed them) did not: leave room for them.
-            grads = sum(m.trainable_bytes or 0 for m in ctx.models if m.is_training)
+            grads = _grads_to_add(trials, ctx)
             safe = _largest_within(trials, self.budget * (1 - self.margin) - grads)
             if safe is not None and safe < 1:
                 # The probes peaked where the batch hardly counts (the optimizer's step, with the
@@ -320,16 +326,17 @@ class _Measure:
             # two micro-batches with its accumulation, so a rewrite that breaks the cell shows here.
             entry = self.accumulated(base, remedy)
             while entry.verdict == DOES_NOT_FIT and new > 1 and self.left() > 0:
-                # The gradients kept between micro-batches took more room than the probes left: the
-                # next smaller micro-batch, the effective batch kept.
-                new, acc = split_batch(guess.value, new - 1, True)
+                # The gradients kept between micro-batches took more room than the probes left: half the
+                # micro-batch, the effective batch kept.
+                new, acc = split_batch(guess.value, max(1, new // 2), True)
                 remedy = fix.batch(ctx, fig, guess, new, acc)
                 entry = self.accumulated(base, remedy)
             fitted = min(
                 (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
             )
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
-            entry = replace(entry, method=f"{how}; the rewritten cell ran 2 micro-batches")
+            ran = "its first optimizer step and 2 micro-batches more" if self.training else "2 micro-batches"
+            entry = replace(entry, method=f"{how}; the rewritten cell ran {ran}")
             if entry.verdict == FITS and fitted is not None and entry.peak is not None:
                 # Two micro-batches end before the optimizer's step, which the probe ran: the whole cell's
                 # peak is the larger of the two.
@@ -338,6 +345,21 @@ class _Measure:
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         entry = self.entry((*base, remedy), steps_scale=scale)
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
+
+
+def _grads_to_add(trials: list[Trial], ctx: Any) -> int:
+    """The gradients' bytes a micro-batch's peak adds to a probe's when they accumulate: none where the
+    probes' own peaks held them already (the fixed part of their line is at least the weights and their
+    gradients: the peak came in the backward pass or the step, not in a forward after zero_grad)."""
+    from .batch_search import fit_line
+
+    training = [m for m in ctx.models if m.is_training]
+    grads = sum(m.trainable_bytes if m.trainable_bytes is not None else m.param_bytes for m in training)
+    weights = sum(m.param_bytes for m in training)
+    line = fit_line(trials)
+    if line is not None and grads and line[0] >= weights + 0.9 * grads:
+        return 0
+    return grads
 
 
 def _largest_within(trials: list[Trial], room: float) -> int | None:
