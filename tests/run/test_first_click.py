@@ -502,6 +502,48 @@ def test_a_model_called_on_a_whole_tensor_with_autograd_on_is_not_split(shell, r
     assert "no_grad" in {r.kind for f in failed.findings for r in f.remedies}
 
 
+EPOCH_SETUP = """%%gpumem --quiet
+torch.manual_seed(0)
+from torch.utils.data import DataLoader, TensorDataset
+rows_ds = TensorDataset(torch.randn(4096, 512), torch.randint(0, 10, (4096,)))
+mlp = torch.nn.Sequential(
+    torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+    torch.nn.Linear(2048, 10))
+"""
+EPOCH_CELL = """\
+def run_epoch(model, loader, opt):
+    model.train()
+    total = 0.0
+    for xb, yb in loader:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xb.repeat_interleave(8, 0)), yb.repeat_interleave(8))
+        loss.backward()
+        opt.step()
+        total += loss.item()
+    return total / len(loader)
+
+sgd = torch.optim.SGD(mlp.parameters(), lr=0.01, momentum=0.9)
+rows_loader = DataLoader(rows_ds, batch_size=512, shuffle=True)
+print(run_epoch(mlp, rows_loader, sgd))
+"""
+
+
+def test_an_accumulated_batch_is_checked_through_the_optimizers_step_and_stays_near_what_fits(
+    shell, run_cell
+):
+    # After the first step each micro-batch's backward adds to gradients kept beside SGD's momentum (a
+    # temporary per parameter as it adds): two micro-batches before any step passed at 64 of 512, and the
+    # click ran out. Room for gradients the probes' peaks already held gave 4 × 128 steps instead (a click
+    # twice as long); 16 × 32 fits here.
+    run_cell(EPOCH_SETUP)
+    _, fix, fitted = first_click(90, EPOCH_CELL, shell, run_cell)
+    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    batch = next(r for r in fitted.applied if r.kind == "batch")
+    assert batch.params["new"] * batch.params["accumulate"] == 512, batch.params
+    assert batch.params["new"] >= 16, batch.params
+
+
 TRAIN_HELPER = """%%gpumem --quiet
 torch.manual_seed(0)
 seqs = torch.randn(1024, 32, 256)
