@@ -301,7 +301,9 @@ def test_optimizers_are_read_with_whether_their_step_runs_foreach_and_their_para
 
 def test_an_optimizer_behind_lightnings_wrapper_is_read_through_it():
     # LightningOptimizer, like accelerate's AcceleratedOptimizer (which needs an Accelerator's process-wide
-    # state to be made), serves the wrapped optimizer's param_groups through a property.
+    # state to be made), serves the wrapped optimizer's param_groups through a property. Lightning is not
+    # among the test dependencies: skipped where it is not installed.
+    pytest.importorskip("lightning")
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
     from oommagic.diagnosis.holdings import Reader, optimizer_infos
