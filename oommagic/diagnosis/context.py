@@ -126,14 +126,14 @@ def scan_namespace(
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
         generation = _generates(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
-        leftovers, models = _holdings(namespace, where, source, checkpointing, trains)
+        leftovers, models, optimizers = _holdings(namespace, where, source, checkpointing, trains)
         models = models + _model_being_built(error, models, source, trains, checkpointing, grown)
         frames, scopes = failing_frames(error, namespace, source)
         line = next((f.line for f in reversed(frames) if f.in_cell), None)
         return NamespaceScan(
             leftovers=leftovers,
             models=models,
-            optimizers=optimizer_infos(namespace, Reader(where)),
+            optimizers=optimizers,
             ints=ints,
             generation=generation,
             prompt_tokens=prompt_tokens(source, namespace),
@@ -580,9 +580,9 @@ def _evaluating(source: str, frames: tuple[Frame, ...], line: int | None) -> boo
 
 def _holdings(
     namespace: Mapping, device: Any, source: str, checkpointing: bool, trains: bool
-) -> tuple[tuple[Leftover, ...], tuple[ModelInfo, ...]]:
-    """Leftovers (largest first; a storage shared by several names counts for the largest holder only)
-    and the models in the namespace."""
+) -> tuple[tuple[Leftover, ...], tuple[ModelInfo, ...], tuple[OptimizerInfo, ...]]:
+    """Leftovers (largest first; a storage shared by several names counts for the largest holder only),
+    the models and the optimizers bound to names in the namespace, read by one reader."""
     reader = Reader(device)
     held, modules, optimizers = namespace_holdings(namespace, reader)
     claimed: set[int] = set()
@@ -602,7 +602,7 @@ def _holdings(
         if mine:
             leftovers.append(Leftover(name, kind, mine, in_use=name in in_use))
     models = model_infos(modules, optimizers, reader, source, checkpointing, trains)
-    return tuple(leftovers), models
+    return tuple(leftovers), models, optimizer_infos(namespace, reader)
 
 
 def _used_by_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:

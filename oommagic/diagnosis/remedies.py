@@ -648,9 +648,11 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
     )
 
 
-def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int, saving: int | None) -> Remedy:
-    """The model called on ``chunk`` rows of its input at a time, the outputs joined."""
+def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) -> Remedy:
+    """The model called on ``chunk`` rows of its input at a time, the outputs joined; the saving is the
+    share of the activations that grow with the rows that the other chunks took."""
     new_source = split_rows_source(ctx.source, call.func, call.arg, chunk)
+    saving = fig.activations - fig.activations * chunk // call.rows if fig.activations else None
     return _made(
         fig,
         "split_rows",

@@ -150,6 +150,11 @@ def _insert_keyword(
     return (end, end, f", {text}")
 
 
+def _names_torch(tree: ast.Module | None) -> bool:
+    """Whether the cell names ``torch`` anywhere (a rewrite that uses it imports it first where not)."""
+    return tree is not None and any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+
+
 def _apply(source: str, edits: list[tuple[int, int, str]]) -> str:
     for start, end, text in sorted(edits, key=lambda e: (e[0], e[1]), reverse=True):
         source = source[:start] + text + source[end:]
@@ -419,8 +424,7 @@ def default_dtype_source(
         f"{indent}finally:",
         f"{indent}    torch.set_default_dtype(torch.{restore})",
     ]
-    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
-    head = [] if named else ["import torch"]
+    head = [] if _names_torch(tree) else ["import torch"]
     return _checked("\n".join([*head, *lines[: first - 1], *block, *lines[last:]]))
 
 
@@ -436,8 +440,7 @@ def no_grad_source(
     span = work_span(source, names)
     if span is None:
         return None
-    tree = tree_of(source)
-    named = tree is not None and any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
+    named = _names_torch(tree_of(source))
     before = tuple(f"{m}.eval()" for m in eval_models)
     wrapped = wrap_lines(source, *span, "with torch.inference_mode():", before)
     if wrapped is None or named:
@@ -560,8 +563,7 @@ def split_rows_source(source: str, func: str, arg: str, chunk: int) -> str | Non
             edits.append((*src.span(node), joined))
     if not edits:
         return None
-    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
-    return _checked(("" if named else "import torch\n") + _apply(source, edits))
+    return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))
 
 
 def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) -> str | None:
@@ -586,8 +588,7 @@ def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) ->
     ]
     if not edits:
         return None
-    named = any(isinstance(n, ast.Name) and n.id == "torch" for n in ast.walk(tree))
-    return _checked(("" if named else "import torch\n") + _apply(source, edits))
+    return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))
 
 
 def pass_hook_loader(source: str, hook: str, hook_source: str, batch_size: int) -> str | None:

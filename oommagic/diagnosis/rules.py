@@ -385,8 +385,7 @@ def _split_rows_remedy(ctx: DiagnosisContext, fig: Figures) -> Remedy:
         room = (fig.budget * (1 - MARGIN) - fig.fixed) / 2
         while chunk > 1 and fig.activations * chunk / call.rows > room:
             chunk //= 2
-    saving = fig.activations - fig.activations * chunk // call.rows if fig.activations else None
-    return fix.split_rows(ctx, fig, call, chunk, saving)
+    return fix.split_rows(ctx, fig, call, chunk)
 
 
 def _eval_batch_remedy(ctx: DiagnosisContext, fig: Figures) -> tuple[Remedy | None, str]:

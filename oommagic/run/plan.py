@@ -139,9 +139,7 @@ class _Measure:
             chunk = entry.fixes[0].params.get("chunk", 1) // 4
             if entry.verdict != DOES_NOT_FIT or entry.note or call is None or chunk < 1 or self.left() <= 0:
                 break
-            fig = figures(self.run.report, ctx)
-            saving = fig.activations - fig.activations * chunk // call.rows if fig.activations else None
-            entry = self.entry((fix.split_rows(ctx, fig, call, chunk, saving),))
+            entry = self.entry((fix.split_rows(ctx, figures(self.run.report, ctx), call, chunk),))
         return entry
 
     def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
@@ -308,8 +306,8 @@ class _Measure:
             )
         new, acc = split_batch(guess.value, best, self.training)
         if acc > 1:
-            # Accumulating micro-batches keep the gradients between backward passes, which a probe (whose
-            # zero_grad freed them) did not: leave room for them.
+            # Accumulating micro-batches keep the gradients between backward passes: room for them where
+            # the probes' peaks did not hold them.
             grads = _grads_to_add(trials, ctx)
             safe = _largest_within(trials, self.budget * (1 - self.margin) - grads)
             if safe is not None and safe < 1:
@@ -321,9 +319,8 @@ class _Measure:
         remedy = fix.batch(ctx, fig, guess, new, acc)
         probes = f"{len(trials)} probes"
         if remedy.params.get("accumulate", 1) > 1 and self.training and not self.keeps:
-            # The probes measured the micro-batch's steady state (optimizer state included) and the choice
-            # keeps room for the gradients accumulating between steps; the rewritten cell itself then runs
-            # two micro-batches with its accumulation, so a rewrite that breaks the cell shows here.
+            # The rewritten cell itself runs through its first optimizer step with its accumulation: the
+            # steady state the probes did not hold, and a rewrite that breaks the cell, show here.
             entry = self.accumulated(base, remedy)
             while entry.verdict == DOES_NOT_FIT and new > 1 and self.left() > 0:
                 # The gradients kept between micro-batches took more room than the probes left: half the
@@ -336,12 +333,7 @@ class _Measure:
             )
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
             ran = "its first optimizer step and 2 micro-batches more" if self.training else "2 micro-batches"
-            entry = replace(entry, method=f"{how}; the rewritten cell ran {ran}")
-            if entry.verdict == FITS and fitted is not None and entry.peak is not None:
-                # Two micro-batches end before the optimizer's step, which the probe ran: the whole cell's
-                # peak is the larger of the two.
-                entry = replace(entry, peak=max(entry.peak, fitted.peak_reserved))
-            return entry
+            return replace(entry, method=f"{how}; the rewritten cell ran {ran}")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         entry = self.entry((*base, remedy), steps_scale=scale)
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)

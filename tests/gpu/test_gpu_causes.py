@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -22,6 +24,16 @@ MiB, GiB = 1024**2, 1024**3
 
 def last_run():
     return oommagic.history()[-1]
+
+
+@contextlib.contextmanager
+def dropped_after(shell, *names: str):
+    """The names a test binds in the shell, dropped when it ends, whatever happened."""
+    try:
+        yield
+    finally:
+        for name in names:
+            shell.user_ns.pop(name, None)
 
 
 def fix_of(run, kind: str):
@@ -91,14 +103,13 @@ def test_outputs_kept_across_iterations_move_to_the_host(shell, cell):
         "outs_gpu = []\nwith torch.no_grad():\n    for i in range(200):\n"
         "        outs_gpu.append(head_gpu(xs_gpu[i % 2]))\n"
     )
-    cell(f"%%gpumem --limit 4GiB --plan-budget 0 --quiet\n{body}")
-    run = last_run()
-    assert run.outcome == "oom", run.headline()
-    new = session_for(shell).retry(run, fix_of(run, "keep_numbers"))
-    print(new.headline())
-    assert new.outcome == "ok" and shell.user_ns["outs_gpu"][0].device.type == "cpu"
-    for name in ("head_gpu", "xs_gpu", "outs_gpu"):
-        shell.user_ns.pop(name, None)
+    with dropped_after(shell, "head_gpu", "xs_gpu", "outs_gpu"):
+        cell(f"%%gpumem --limit 4GiB --plan-budget 0 --quiet\n{body}")
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        new = session_for(shell).retry(run, fix_of(run, "keep_numbers"))
+        print(new.headline())
+        assert new.outcome == "ok" and shell.user_ns["outs_gpu"][0].device.type == "cpu"
 
 
 def test_an_optimizer_step_that_runs_out_on_cuda_steps_one_tensor_at_a_time_and_fits(shell, cell):
@@ -110,7 +121,7 @@ def test_an_optimizer_step_that_runs_out_on_cuda_steps_one_tensor_at_a_time_and_
         "wide_opt = torch.optim.AdamW(wide_gpu.parameters(), lr=1e-4)\n"
         "x_wide = torch.randn(64, 4096, device='cuda')\n"
     )
-    try:
+    with dropped_after(shell, "wide_gpu", "wide_opt", "x_wide"):
         cell(
             "%%gpumem --limit 2.4GiB --quiet\n"
             "for _ in range(2):\n"
@@ -123,14 +134,12 @@ def test_an_optimizer_step_that_runs_out_on_cuda_steps_one_tensor_at_a_time_and_
         finding = next(f for f in run.findings if f.key == "optimizer_step")
         print(finding.evidence)
         print([e.line() for e in run.plan.entries])
-        assert run.plan.entries[0].kind == "step_per_tensor" and run.plan.entries[0].verdict == "fits"
+        first = run.plan.entries[0]
+        assert first.kind == "step_per_tensor" and first.verdict == "fits"
         assert all(g["foreach"] is None for g in shell.user_ns["wide_opt"].param_groups), "trials restored"
-        new = session_for(shell).retry(run, fix_of(run, "step_per_tensor"))
+        new = session_for(shell).retry(run, first.fixes[0])
         print(new.headline())
         assert new.outcome == "ok"
-    finally:
-        for name in ("wide_gpu", "wide_opt", "x_wide"):
-            shell.user_ns.pop(name, None)
 
 
 def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fits(shell, cell):
@@ -142,7 +151,7 @@ def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fit
         "    torch.nn.Linear(8192, 10)).cuda().eval()\n"
         "X_gpu = torch.randn(65536, 1024, device='cuda')\n"
     )
-    try:
+    with dropped_after(shell, "scorer_gpu", "X_gpu", "scores_gpu"):
         cell("%%gpumem --limit 2GiB --quiet\nwith torch.no_grad():\n    scores_gpu = scorer_gpu(X_gpu)\n")
         run = last_run()
         assert run.outcome == "oom", run.headline()
@@ -160,6 +169,3 @@ def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fit
         diff = (got[:4096] - expected).abs().max().item()
         print(f"largest difference from a call on the first rows: {diff:.3g}")
         assert got.shape == (65536, 10) and torch.allclose(got[:4096], expected, rtol=1e-4, atol=1e-4)
-    finally:
-        for name in ("scorer_gpu", "X_gpu", "scores_gpu"):
-            shell.user_ns.pop(name, None)
