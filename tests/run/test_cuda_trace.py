@@ -16,9 +16,10 @@ from oommagic.run.capture.cuda import SKIPPED_ACTIONS, record_history
 from oommagic.run.capture.snapshot_file import for_viewer, write_snapshot
 from oommagic.run.capture.trace import (
     CUDA_TRACE_ENTRIES,
-    PackedTrace,
+    TraceColumns,
     TraceEvents,
     cuda_timeline,
+    live_at_event,
     packed,
     snapshot_blocks,
     start_blocks,
@@ -105,15 +106,17 @@ def assert_same_replay(snapshot, start_us=0.0, before=(0, 0), origin_us=None, li
     blocks, _ = snapshot_blocks(snapshot, 0)
     start = start_blocks(replayed, blocks)
     assert list(start.items()) == list(reference_start(events, blocks).items())
-    assert live_at(start, replayed, replayed.peak) == live_at(start, events, peak)
-    # Packed into columns (what a recorder keeps), the snapshot replays the same and unpacks to itself.
+    expected = live_at(start, events, peak)
+    assert live_at(start, replayed, replayed.peak) == expected
+    got_live = live_at_event(start, replayed, replayed.peak)
+    assert got_live == expected and list(got_live) == list(expected), "the same blocks, in the same order"
+    # Kept as columns (what a recorder keeps), the snapshot replays the same and unpacks to itself.
     kept = packed(snapshot)
     assert unpacked(kept) == snapshot
-    if kept is not snapshot and isinstance(kept["device_traces"][0], PackedTrace):
-        again = TraceEvents()
-        assert cuda_timeline(kept, 0, start_us, before, steps, origin_us, events=again) == timeline
-        assert list(again) == [(*e[:4], None) for e in events]
-        assert (again.peak, again.top) == (peak, top)
+    again = TraceEvents()
+    assert cuda_timeline(kept, 0, start_us, before, steps, origin_us, events=again, lines=lines) == timeline
+    assert list(again) == list(replayed)
+    assert (again.peak, again.top) == (peak, top)
     return got, replayed
 
 
@@ -276,28 +279,32 @@ def test_a_snapshot_written_for_the_viewer_gets_its_frees_back(tmp_path):
 def test_a_trace_is_kept_as_columns_and_given_back_as_the_allocators_dicts():
     snapshot = small_op_loop(1_000, completed=False)
     for entry in snapshot["device_traces"][0]:
-        entry["frames"] = []
-    oom = {"action": "oom", "size": 1 << 30, "stream": 0, "time_us": 9, "device_free": 5, "frames": []}
+        entry.update(compile_context="N/A", user_metadata="", frames=[])
+    oom = {"action": "oom", "device_free": 5, "size": 1 << 30, "stream": 0, "time_us": 9}
+    oom.update(compile_context="N/A", user_metadata="", frames=[])
     snapshot["device_traces"][0].insert(10, oom)
+    marked = {**snapshot["device_traces"][0][20], "user_metadata": "step 3"}
+    snapshot["device_traces"][0][20] = marked
     kept = packed(snapshot)
     trace = kept["device_traces"][0]
-    assert isinstance(trace, PackedTrace) and len(trace) == 2_001 and trace.whole == {10: oom}
-    assert trace.columns[trace.keys.index("frames")] is None, "no list per entry"
+    assert isinstance(trace, TraceColumns) and len(trace) == 2_001 and trace.whole == {10: oom}
+    assert trace.values["time_us"].dtype.name == "int64" and trace.values["stream"].value == 0
+    assert trace.frames() is None and isinstance(trace.values["user_metadata"], list), "one entry marked"
     back = unpacked(kept)
-    assert (
-        back == snapshot
-        and back["device_traces"][0][0]["frames"] is not back["device_traces"][0][1]["frames"]
-    )
+    assert back == snapshot and back["device_traces"][0][20]["user_metadata"] == "step 3"
+    assert back["device_traces"][0][0]["frames"] is not back["device_traces"][0][1]["frames"]
     assert unpacked(snapshot) is snapshot
+    assert packed(kept)["device_traces"][0] is trace, "kept once"
 
 
-def test_a_trace_with_frames_is_kept_as_it_is():
+def test_a_trace_with_frames_on_some_entries_keeps_them():
     frames = [{"filename": "<ipython-input-3-x>", "line": 2, "name": "<module>"}]
-    trace = [{"action": "alloc", "addr": A, "size": 512, "time_us": 1, "frames": frames}]
-    assert PackedTrace.pack(trace) is None
-    assert PackedTrace.pack([{"action": "oom"}]) is None, "a single key"
-    uneven = [{"action": "oom", "size": 1}, {"action": "alloc", "addr": 1}]
-    assert PackedTrace.pack(uneven).whole == {1: uneven[1]} and unpacked(
-        packed({"t": 1, "device_traces": [uneven]})
-    )["device_traces"] == [uneven]
-    assert packed({"device_traces": [trace]})["device_traces"][0] is trace
+    trace = [
+        {"action": "alloc", "addr": A, "size": 512, "time_us": 1, "frames": frames},
+        {"action": "free_requested", "addr": A, "size": 512, "time_us": 2},
+    ]
+    kept = TraceColumns.read(trace)
+    assert kept.frames() is not None and kept.entries() == trace and not kept.whole
+    uneven = [{"action": "oom", "size": 1}, {"action": "alloc", "addr": 1}, {"time_us": 5}]
+    assert unpacked(packed({"t": 1, "device_traces": [uneven]}))["device_traces"] == [uneven]
+    assert TraceColumns.read([]).entries() == []

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ...categories import Breakdown, breakdown, live_at
+from ...categories import Breakdown, breakdown
 from ...timeline import Timeline
 from .nvml import BusySampler, device_memory, handle_for
 from .record import Recording, StepMarks, collector_paused
@@ -15,6 +15,7 @@ from .trace import (
     CUDA_TRACE_ENTRIES,
     TraceEvents,
     cuda_timeline,
+    live_at_event,
     packed,
     snapshot_blocks,
     start_blocks,
@@ -204,7 +205,7 @@ class CudaRecorder:
             self._snapshot = None  # segments only: nothing a viewer's timeline could show
             return self._breakdown(blocks, seen + self._steps.first, reserved, "end")
         events = self._events
-        at_peak = live_at(start_blocks(events, blocks), events, events.peak)
+        at_peak = live_at_event(start_blocks(events, blocks), events, events.peak)
         tl = timeline
         peak_reserved = tl.reserved[tl.allocated.index(tl.peak_allocated)] if tl.t else reserved
         clock = events[events.peak][0] if events.peak >= 0 else self._start * 1e6
