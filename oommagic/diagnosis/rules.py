@@ -20,7 +20,15 @@ from ..timeline import Timeline
 from . import remedies as fix
 from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, Remedy, Request, figures
 from .remedies import MARGIN
-from .source import BatchGuess, disables_grad, grad_off_lines, kept_sites, names_read, tokenizer_calls
+from .source import (
+    BatchGuess,
+    disables_grad,
+    grad_off_lines,
+    kept_sites,
+    names_read,
+    products_at,
+    tokenizer_calls,
+)
 
 __all__ = [
     "BatchGuess",
@@ -219,6 +227,10 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
         shrink, _ = _eval_batch_remedy(ctx, fig) if ctx.evaluating else _batch_remedy(ctx, fig, fig.training)
         remedies.append(shrink)
         remedies.extend(_request_remedies(ctx, fig))
+        if not ctx.autocast_on and ctx.request is None and products_at(ctx.source, ctx.failing_line):
+            # A product written in the cell (``emb @ emb.T``), no model's layer: in half precision its
+            # output is half the size.
+            remedies.append(fix.autocast(ctx, fig))
     return _finding("too_large", f"Too large for this {what}", evidence, remedies, fig)
 
 

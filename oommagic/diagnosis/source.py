@@ -558,6 +558,30 @@ def trains(source: str) -> bool:
     return False
 
 
+# Calls autocast runs in a lower precision: matrix products and convolutions (torch's autocast op lists).
+_PRODUCTS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "linear", "conv1d", "conv2d"})
+_PRODUCTS |= {"conv3d", "tensordot", "inner", "outer", "mv", "addbmm"}
+
+
+def products_at(source: str, line: int | None) -> bool:
+    """Whether the statement on ``line`` computes a matrix product or a convolution itself: ``a @ b``,
+    ``torch.matmul(a, b)``, ``F.linear(x, w)``, ``torch.einsum(...)``."""
+    tree = tree_of(source)
+    if tree is None or not line:
+        return False
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.stmt) or not node.lineno <= line <= (node.end_lineno or node.lineno):
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.While)):
+            continue  # the statement inside it is the one that failed
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.BinOp) and isinstance(sub.op, ast.MatMult):
+                return True
+            if isinstance(sub, ast.Call) and dotted_name(sub.func).rsplit(".", 1)[-1] in _PRODUCTS:
+                return True
+    return False
+
+
 def generates(source: str) -> bool:
     """Whether the cell calls ``.generate(...)`` or builds a ``pipeline(...)``."""
     return any(d.rsplit(".", 1)[-1] in ("generate", "pipeline") for d in called_names(source))

@@ -60,8 +60,9 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else "no automatic fix")
         return replace(plan, unfittable=_unfittable(plan, run)) if budget_s > 0 else plan
     measure = _Measure(session, run, budget_s)
+    n = len(candidates(run))
     session.progress(
-        f"%%gpumem: measuring {len(candidates(run))} fixes in at most {budget_s:.0f} s (--plan-budget): "
+        f"%%gpumem: measuring {n} fix{'es' if n != 1 else ''} in at most {budget_s:.0f} s (--plan-budget): "
         "each trial re-runs the cell (its prints and files too) and puts your model, optimizer, RNG and "
         "namespace back afterwards; interrupt the kernel to stop."
     )
@@ -400,7 +401,8 @@ def _summary(plan: FixPlan, run: CellRun) -> str:
         else "No fix measured here fits."
     )
     return (
-        f"{head} {plan.trials} trials in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget; "
+        f"{head} {plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
+        f"{plan.budget_s:.0f} s budget; "
         "the model, optimizer, RNG and namespace were restored after each"
         + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")
     )

@@ -13,7 +13,14 @@ from oommagic.diagnosis.rewrite import (
     split_rows_source,
     unified_diff,
 )
-from oommagic.diagnosis.source import BatchGuess, calls_with_keyword, find_batch, names_read, tokenizer_calls
+from oommagic.diagnosis.source import (
+    BatchGuess,
+    calls_with_keyword,
+    find_batch,
+    names_read,
+    products_at,
+    tokenizer_calls,
+)
 
 TRAINER_CELL = """\
 args = TrainingArguments(
@@ -379,3 +386,16 @@ def test_a_model_called_on_a_whole_tensor_is_called_on_chunks_of_its_rows_and_jo
     ), "torch imported where the cell does not name it"
     assert split_rows_source(plain, "model", "Y", 64) is None
     assert split_rows_source("y = model(X, Z)\n", "model", "X", 64) is None, "two inputs: not split"
+
+
+def test_a_product_on_the_failing_line_is_read_from_the_cell():
+    cell = (
+        "%time sims = emb @ emb.T\n"
+        "scores = torch.einsum('ij,kj->ik', a, b)\n"
+        "for i in range(3):\n"
+        "    out = F.linear(x, w)\n"
+        "total = a + b  # @ in a comment\n"
+        "s = '@'\n"
+    )
+    assert [products_at(cell, n) for n in range(1, 8)] == [True, True, False, True, False, False, False]
+    assert not products_at("x = (", 1) and not products_at(cell, None)

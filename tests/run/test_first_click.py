@@ -598,3 +598,44 @@ def test_a_batch_default_is_not_read_where_the_call_passes_it_or_spreads_its_arg
     assert default_batch("run()", ns).path == ("run", "batch_size")
     for passed in ("train(m, 1, 32)", "train(m, bs=32)", "train(*xs)", "train(m, **kw)", "m.train()"):
         assert default_batch(passed, ns) is None, passed
+
+
+LOADER_SETUP = """\
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+ds = TensorDataset(torch.randn(2048, 64, 128), torch.randint(0, 10, (2048,)))
+loader = DataLoader(ds, batch_size=512, shuffle=True)
+net = nn.Sequential(nn.Flatten(), nn.Linear(64 * 128, 512), nn.ReLU(), nn.Linear(512, 10))
+opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+"""
+LOADER_CELL = """\
+for xb, yb in loader:
+    opt.zero_grad()
+    nn.functional.cross_entropy(net(xb), yb).backward()
+    opt.step()
+"""
+
+
+def test_a_loader_over_a_dataset_on_the_host_gets_its_batch_cut_and_fits(shell, run_cell):
+    # The 64 MiB dataset was made outside %%gpumem: the samples the loader indexes out of it are views,
+    # not the dataset on the card (which once left "not even batch 1 fits"). The model's 16 MiB of
+    # weights, built in the same setup cell, are on the card from the cell's first use of them.
+    run_cell(LOADER_SETUP)
+    failed, fix, fitted = first_click(100, LOADER_CELL, shell, run_cell)
+    counted = failed.categories
+    assert counted["parameters"] >= 16 * 2**20, counted.parts
+    assert all(a.nbytes < 64 * 2**20 for a in counted.top), "no sample counted as the whole dataset"
+    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+
+
+def test_a_product_written_in_the_cell_too_large_for_the_card_runs_in_half_precision(shell, run_cell):
+    # 6,000 × 6,000 float32 similarities are 137 MiB, one request over a 100 MiB card; in bfloat16, 69 MiB.
+    run_cell("torch.manual_seed(0)\nemb = torch.nn.functional.normalize(torch.randn(6000, 256), dim=1)")
+    cell = "sims = emb @ emb.T\nbest = sims.topk(5, dim=1).indices\n"
+    failed, fix, fitted = first_click(100, cell, shell, run_cell)
+    assert "too_large" in [f.key for f in failed.findings]
+    assert fix.kind == "autocast" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok" and shell.user_ns["best"].shape == (6000, 5), fitted.headline()

@@ -88,6 +88,8 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
+    Parameter = torch.nn.Parameter
+
     class TensorBytesTracker(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -95,12 +97,31 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
                 planned = _factory_bytes(func, args, kwargs)
                 if planned is not None:
                     recorder.check(planned)
+            # Weights a setup cell built, or a checkpoint loader mapped from its file without an op, are
+            # on the card once the cell computes with them.
+            weights = [
+                a.untyped_storage()
+                for a in args
+                if type(a) is Parameter
+                and a.device.type == "cpu"
+                and a.untyped_storage()._cdata not in LEDGER.live
+            ]
+            if weights:
+                if recorder.limit is not None:
+                    recorder.check(sum(st.nbytes() for st in weights))
+                for st in weights:
+                    LEDGER.add(st, func, python_line() if recorder.stacks else None)
             out = func(*args, **kwargs)
+            view = getattr(func, "is_view", False)
             fresh = []
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
                     st = t.untyped_storage()
-                    if st._cdata not in LEDGER.live or LEDGER.live[st._cdata] != st.nbytes():
+                    known = LEDGER.live.get(st._cdata)
+                    # A view of a tensor made outside %%gpumem allocates nothing: a batch indexed out of
+                    # a dataset on the host is not the dataset on the card. (An in-place op on one takes
+                    # it on: an optimizer's step writes the weights a setup cell made.)
+                    if (known is None and not view) or (known is not None and known != st.nbytes()):
                         fresh.append(st)
             if fresh and recorder.limit is not None:
                 recorder.check(sum(st.nbytes() - LEDGER.live.get(st._cdata, 0) for st in fresh))
