@@ -436,7 +436,7 @@ def make_context(
         batch=cell.find_batch(source, ints, batch_name)
         or scan.settings_batch
         or cell.step_batch(source)
-        or cell.shape_batch(source)
+        or cell.shape_batch(source, ints)
         or scan.call_batch,
         models=scan.models,
         optimizers=scan.optimizers,

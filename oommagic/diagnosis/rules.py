@@ -277,16 +277,22 @@ def _halving_fits(ctx: DiagnosisContext, fig: Figures) -> bool:
     return bool(fp32) and not fig.training and fig.budget is not None and fig.state // 2 < fig.budget
 
 
-_LOGITS_WORDS = ("logits", "lm_head", "cross_entropy", "log_softmax", "softmax")
+_LOGITS_NAMES = ("logits", "lm_head")
+_LOGITS_CALLS = ("cross_entropy", "log_softmax", "softmax")
 
 
 def _request_knob(ctx: DiagnosisContext) -> str:
     """What makes a single request smaller, read from the failing line and frames: the logits (batch ×
     sequence × vocabulary) of a language model, else the batch and the sequence length."""
     line = ctx.failing_line
-    text = ctx.source.split("\n")[line - 1].strip() if line and line <= len(ctx.source.split("\n")) else ""
-    frames = " ".join(f.function for f in ctx.frames)
-    if any(w in text or w in frames for w in _LOGITS_WORDS):
+    lines = ctx.source.split("\n")
+    text = lines[line - 1].strip() if line and line <= len(lines) else ""
+    last = max((i for i, f in enumerate(ctx.frames) if f.in_cell), default=None)
+    called = " ".join(f.function for f in (ctx.frames[last + 1 :] if last is not None else ctx.frames))
+    # A loss the line calls counts where the failure went into it: `cross_entropy(model(x), y)` that
+    # fails in the model's forward made no logits of the loss.
+    named = any(w in text or w in called for w in _LOGITS_NAMES)
+    if named or any(w in (called or text) for w in _LOGITS_CALLS):
         return (
             "it looks like the logits, batch × sequence × vocabulary values at once. Fewer samples at a time "
             "(the evaluation batch when evaluating), `logits_to_keep=1` where only the last position is "

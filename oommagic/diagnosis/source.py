@@ -24,7 +24,10 @@ BATCH_NAMES = (
     "micro_batch_size",
     "batch_size",
     "BATCH_SIZE",
+    "bsz",
     "bs",
+    "BS",
+    "BATCH",
     "batch",
 )
 ACCUMULATION_NAMES = (
@@ -366,9 +369,10 @@ def step_literals(source: str, step: int) -> list[ast.expr]:
 _FACTORIES = frozenset({"randn", "rand", "randint", "zeros", "ones", "empty", "full", "normal", "randperm"})
 
 
-def _leading_size(call: ast.Call) -> ast.expr | None:
+def _leading_size(call: ast.Call, names: bool = False) -> ast.expr | None:
     """The node of the first dimension a torch factory call makes: ``64`` in ``torch.randn(64, 3)``,
-    ``torch.zeros((64, 3))``, ``torch.randint(0, 10, (64,))`` or ``size=(64, 3)``."""
+    ``torch.zeros((64, 3))``, ``torch.randint(0, 10, (64,))`` or ``size=(64, 3)``; a literal only, or
+    with ``names`` also a plain name (``torch.randn(N, 3)``)."""
     name = dotted_name(call.func)
     if not (name.startswith("torch.") and name.rsplit(".", 1)[-1] in _FACTORIES) or name == "torch.randperm":
         return None
@@ -382,25 +386,38 @@ def _leading_size(call: ast.Call) -> ast.expr | None:
             size = call.args[0]
     if isinstance(size, (ast.Tuple, ast.List)):
         size = size.elts[0] if size.elts else None
+    if names and isinstance(size, ast.Name):
+        return size
     return size if size is not None and int_literal(size) is not None else None
 
 
-def shape_batch(source: str) -> BatchGuess | None:
-    """The batch of a loop that makes its data in place: the first dimension, written as a literal of 2
-    or more, of a torch factory call inside a loop (``torch.randint(0, V, (64, 512))``). Every such call
-    with that first dimension makes the batch (inputs and labels alike)."""
+def shape_batch(source: str, namespace_names: dict[str, int] | None = None) -> BatchGuess | None:
+    """The batch of a loop that makes its data in place: the first dimension of a torch factory call
+    inside a loop, of 2 or more: a literal (``torch.randint(0, V, (64, 512))``; every such call with that
+    first dimension makes the batch, inputs and labels alike), or a name the cell binds to a literal or
+    the namespace holds (``torch.randn(N, 128)``: that name is the batch, whatever it is called)."""
     tree = tree_of(source)
     if tree is None:
         return None
+    namespace_names = namespace_names or {}
     for loop in ast.walk(tree):
         if not isinstance(loop, (ast.For, ast.AsyncFor, ast.While)):
             continue
         for node in ast.walk(loop):
-            if isinstance(node, ast.Call):
-                size = _leading_size(node)
-                value = int_literal(size) if size is not None else None
-                if value is not None and value >= 2:
-                    return BatchGuess(f"the first dimension of {dotted_name(node.func)}(…)", value, "shape")
+            if not isinstance(node, ast.Call):
+                continue
+            size = _leading_size(node, names=True)
+            if isinstance(size, ast.Name):
+                bound = [int_literal(b.value) for b in binding_sites(tree) if b.name == size.id]
+                if len(bound) == 1 and bound[0] is not None and bound[0] >= 2:
+                    return BatchGuess(size.id, bound[0], "source")
+                value = namespace_names.get(size.id)
+                if not bound and _is_count(value) and value >= 2:
+                    return BatchGuess(size.id, value, "namespace")
+                continue
+            value = int_literal(size) if size is not None else None
+            if value is not None and value >= 2:
+                return BatchGuess(f"the first dimension of {dotted_name(node.func)}(…)", value, "shape")
     return None
 
 

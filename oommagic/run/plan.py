@@ -209,7 +209,7 @@ class _Measure:
         steps = max(1, math.ceil(done * steps_scale))
         return Bounds(
             steps=steps, seconds=self.left(), limit=limit
-        ), f"trial: {steps} optimizer steps and a backward pass"
+        ), f"trial: {steps} optimizer step{'s' if steps != 1 else ''} and a backward pass"
 
     def judge(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
         rec = attempt.recording

@@ -10,6 +10,7 @@ import torch
 
 import oommagic
 from oommagic.diagnosis.rewrite import default_dtype_source
+from oommagic.diagnosis.source import BatchGuess
 from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
 from oommagic.view.widget import ReportWidget
@@ -208,6 +209,12 @@ def test_the_first_dimension_of_factory_calls_is_read_in_every_spelling():
         guess = shape_batch(f"for _ in range(2):\n    x = {call}\n")
         assert guess is not None and guess.value == value, call
     assert shape_batch("x = torch.randn(32, 3)\n") is None, "outside a loop it is data, not a batch"
+    # A name as the first dimension is the batch, whatever it is called: bound in the cell or the namespace.
+    loop = "N = 48\nfor _ in range(2):\n    x = torch.randint(0, 9, (N, 400))\n"
+    assert shape_batch(loop) == BatchGuess("N", 48, "source")
+    assert shape_batch(loop.replace("N = 48\n", ""), {"N": 48}) == BatchGuess("N", 48, "namespace")
+    assert shape_batch(loop.replace("N = 48\n", ""), {"N": 1}) is None
+    assert shape_batch("N = 48\nN = 24\n" + loop.split("\n", 1)[1]) is None, "bound twice: not a clear batch"
     assert (
         len(shape_literals("a = torch.randn(8, 3)\nb = torch.randint(0, 2, (8,))\nc = torch.ones(3, 8)", 8))
         == 2
@@ -639,3 +646,32 @@ def test_a_product_written_in_the_cell_too_large_for_the_card_runs_in_half_preci
     assert "too_large" in [f.key for f in failed.findings]
     assert fix.kind == "autocast" and fix.verdict == "fits", fix
     assert fitted.outcome == "ok" and shell.user_ns["best"].shape == (6000, 5), fitted.headline()
+
+
+NAMED_BATCH_SETUP = """\
+torch.manual_seed(0)
+tagger = torch.nn.Sequential(
+    torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 20)
+)
+tag_opt = torch.optim.Adam(tagger.parameters())
+"""
+NAMED_BATCH_CELL = """\
+BATCH = 64
+for step in range(2):
+    x = torch.randint(0, 1000, (BATCH, 256))
+    y = torch.randint(0, 20, (BATCH, 256))
+    loss = torch.nn.functional.cross_entropy(tagger(x).flatten(0, 1), y.flatten())
+    tag_opt.zero_grad()
+    loss.backward()
+    tag_opt.step()
+"""
+
+
+def test_a_batch_named_only_as_the_first_dimension_of_the_loops_data_is_cut_and_fits(shell, run_cell):
+    # `BATCH` is no usual batch name: the loop's data made with it as their first dimension says it is.
+    run_cell(NAMED_BATCH_SETUP)
+    failed, fix, fitted = first_click(60, NAMED_BATCH_CELL, shell, run_cell)
+    assert failed.context.batch == BatchGuess("BATCH", 64, "source")
+    batch = next(e for e in failed.plan.entries if e.kind == "batch")
+    assert batch.verdict == "fits" and "BATCH = " in (batch.fixes[-1].new_source or ""), batch
+    assert fix.verdict == "fits" and fitted.outcome == "ok", fitted.headline()
