@@ -673,23 +673,21 @@ def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
 
 
 def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | None:
-    """The call on line ``line`` of the cell of a model of the namespace (``model``, or a submodule by
-    attribute: ``model.encoder``) on one tensor of the namespace with two rows or more: ``model(X_test)``.
-    Reads the modules' ``_modules`` and the tensor's shape only."""
+    """The outermost expression on line ``line`` of the cell computed row by row from one tensor of the
+    namespace with two rows or more, with a product in it: a model of the namespace (``model``, or a
+    submodule by attribute: ``model.encoder``) called on it (``model(X_test)``), a matrix product or a
+    distance (``torch.cdist(Xq, Xdb).argmin(dim=1)``), and the maps and reductions along other dimensions
+    after them. Reads the modules' ``_modules`` and the tensor's shape only."""
     import torch
 
     tree = cell.tree_of(source)
     if tree is None or line is None:
         return None
-    text = cell.SourceText(source)
+    # A recurrent layer or attention returns a tuple, whose state a join along rows would get wrong.
+    tuples = (torch.nn.RNNBase, torch.nn.MultiheadAttention)
+    modules = set()
     for node in ast.walk(tree):
-        if not (
-            isinstance(node, ast.Call)
-            and node.lineno <= line <= (node.end_lineno or node.lineno)
-            and len(node.args) == 1
-            and isinstance(node.args[0], ast.Name)
-            and all(k.arg is not None for k in node.keywords)
-        ):
+        if not (isinstance(node, ast.Call) and node.lineno <= line <= (node.end_lineno or node.lineno)):
             continue
         path, func = [], node.func
         while isinstance(func, ast.Attribute):
@@ -700,18 +698,25 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
         module = namespace.get(func.id)
         for attr in reversed(path):
             module = instance_dict(module).get("_modules", {}).get(attr) if module is not None else None
-        value = namespace.get(node.args[0].id)
-        # A recurrent layer or attention returns a tuple, whose state a join along rows would get wrong.
-        tuples = (torch.nn.RNNBase, torch.nn.MultiheadAttention)
-        if (
-            isinstance(module, torch.nn.Module)
-            and not isinstance(module, tuples)
-            and isinstance(value, torch.Tensor)
-            and value.dim() >= 1
-            and value.shape[0] >= 2
-        ):
-            return RowsCall(text.segment(node.func), node.args[0].id, int(value.shape[0]), node.lineno)
-    return None
+        if isinstance(module, torch.nn.Module) and not isinstance(module, tuples):
+            modules.add(cell.dotted_name(node.func))
+    expr = cell.rows_expression(source, line, frozenset(modules))
+    if expr is None:
+        return None
+    found = cell.row_wise(expr, frozenset(modules))
+    assert found is not None
+    value = namespace.get(found.spine.id)
+    if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] < 2:
+        return None
+    if found.module is None and value.requires_grad:
+        return None  # each chunk's graph would stay with the joined output
+    bare = isinstance(expr, ast.BinOp) or (
+        isinstance(expr, ast.Call) and cell.dotted_name(expr.func).rsplit(".", 1)[-1] in cell.ROW_PRODUCTS
+    )
+    if found.module is None and bare:
+        return None  # a product kept whole: the joined chunks are as large as it
+    text = cell.SourceText(source)
+    return RowsCall(found.module or "", found.spine.id, int(value.shape[0]), expr.lineno, text.segment(expr))
 
 
 def default_batch(source: str, namespace: Mapping) -> BatchGuess | None:

@@ -251,13 +251,21 @@ class ModelInfo:
 
 @dataclass(frozen=True)
 class RowsCall:
-    """A call on the cell's failing line of a model in the namespace on one tensor of the namespace
-    (``model(X_test)``): the callee as written, the tensor's name and its rows (first dimension)."""
+    """An expression on the cell's failing line computed row by row from one tensor of the namespace:
+    a model of the namespace called on it (``model(X_test)``), a product or a distance and what reduces
+    it along other dimensions (``torch.cdist(Xq, Xdb).argmin(dim=1)``). ``func`` is the model's callee
+    as written ("" where no model is called), ``arg`` the tensor's name, ``rows`` its first dimension,
+    ``expr`` the expression as written ("" for ``func(arg)``)."""
 
     func: str
     arg: str
     rows: int
     line: int
+    expr: str = ""
+
+    @property
+    def expression(self) -> str:
+        return self.expr or f"{self.func}({self.arg})"
 
 
 @dataclass(frozen=True)

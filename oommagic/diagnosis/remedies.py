@@ -7,6 +7,7 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
+import ast
 from dataclasses import asdict
 from typing import Any
 
@@ -39,6 +40,7 @@ from .source import (
     EvalBatch,
     calls_with_keyword,
     checkpoints,
+    dotted_name,
     eval_batch_literal,
     kept_sites,
     last_logits_calls,
@@ -448,7 +450,8 @@ def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = 
     if remedy.kind == "logits_to_keep":
         return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
     if remedy.kind == "split_rows":
-        return split_rows_source(source, p["func"], p["arg"], p["chunk"]) or source
+        expr = p.get("expr") or f"{p['func']}({p['arg']})"
+        return split_rows_source(source, expr, p["arg"], p["chunk"], p.get("func", "")) or source
     if remedy.kind == "step_per_tensor":
         return step_per_tensor_source(source, list(p["optimizers"]))
     if remedy.kind == "eval_batch" and p.get("loader"):
@@ -649,23 +652,50 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
 
 
 def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) -> Remedy:
-    """The model called on ``chunk`` rows of its input at a time, the outputs joined; the saving is the
-    share of the activations that grow with the rows that the other chunks took."""
-    new_source = split_rows_source(ctx.source, call.func, call.arg, chunk)
-    saving = fig.activations - fig.activations * chunk // call.rows if fig.activations else None
+    """The expression on the failing line computed on ``chunk`` rows of its input at a time, the results
+    joined; the saving is the share of what grows with the rows (the activations, or the one request
+    where that was larger than the card) that the other chunks took."""
+    new_source = split_rows_source(ctx.source, call.expression, call.arg, chunk, call.func)
+    grows = max(fig.activations or 0, fig.requested or 0) or None
+    saving = grows - grows * chunk // call.rows if grows else None
+    what = call.func if call.func and _calls_only(call.expression, call.func) else f"`{call.expression}`"
+    title = f"Run {what} on {chunk} rows of {call.arg} at a time (of {call.rows})"
+    if call.func:
+        why = (
+            f"{call.func}({call.arg}) computes all {call.rows} rows at once, and the activations of every "
+            f"layer grow with them; {chunk} at a time holds one chunk's worth"
+        )
+    else:
+        why = (
+            f"`{call.expression}` computes all {call.rows} rows of {call.arg} at once; {chunk} at a time "
+            "holds one chunk's worth of what grows with them"
+        )
     return _made(
         fig,
         "split_rows",
-        f"Run {call.func} on {chunk} rows of {call.arg} at a time (of {call.rows})",
-        f"{call.func}({call.arg}) computes all {call.rows} rows at once, and the activations of every layer "
-        f"grow with them; {chunk} at a time holds one chunk's worth, and the outputs are joined with "
-        "`torch.cat`. Same results, a little slower.",
+        title,
+        why + ", and the results are joined with `torch.cat`. Same results, a little slower.",
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else "",
         automatic=new_source is not None,
-        params={"func": call.func, "arg": call.arg, "rows": call.rows, "chunk": chunk},
+        params={
+            "func": call.func,
+            "arg": call.arg,
+            "rows": call.rows,
+            "chunk": chunk,
+            "expr": call.expression,
+        },
         new_source=new_source,
     )
+
+
+def _calls_only(expression: str, func: str) -> bool:
+    """Whether ``expression`` is one call of ``func`` (``model(X, return_dict=False)``), nothing after."""
+    try:
+        node = ast.parse(expression, mode="eval").body
+    except SyntaxError:
+        return False
+    return isinstance(node, ast.Call) and dotted_name(node.func) == func
 
 
 def step_per_tensor_source(source: str, optimizers: list[str]) -> str:

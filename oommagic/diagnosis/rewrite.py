@@ -23,6 +23,7 @@ from .source import (
     expression_nodes,
     int_literal,
     kept_sites,
+    row_wise,
     shape_literals,
     step_literals,
     target_names,
@@ -541,29 +542,49 @@ def split_generate_source(source: str, chunk: int) -> str | None:
     return _checked(CHUNKED_GENERATE + "\n\n" + body)
 
 
-def split_rows_source(source: str, func: str, arg: str, chunk: int) -> str | None:
-    """The cell with each call ``func(arg, ...)`` run over ``chunk`` rows of ``arg`` at a time and the
-    outputs joined: ``model(X)`` → ``torch.cat([model(rows) for rows in X.split(1024)])``. None where the
-    cell makes no such call."""
+def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str = "") -> str | None:
+    """The cell with each expression ``expr`` (computed row by row from ``arg``: ``row_wise``) run over
+    ``chunk`` rows of ``arg`` at a time and the results joined: ``model(X)`` → ``torch.cat([model(rows)
+    for rows in X.split(1024)])``, ``torch.cdist(Xq, Xdb).argmin(dim=1)`` → ``torch.cat([torch.cdist(
+    rows, Xdb).argmin(dim=1) for rows in Xq.split(512)])``; ``module`` is the model it calls, if any.
+    None where the cell has no such expression."""
     tree = tree_of(source)
     if tree is None:
         return None
     src = SourceText(source)
+    modules = frozenset({module} - {""})
+    # A model called on the tensor alone: every such call, whatever keywords it passes.
+    plain = tree_of(expr)
+    plain_call = plain is not None and isinstance(plain.body[0], ast.Expr) and len(plain.body) == 1
+    plain_call = plain_call and _calls_on(plain.body[0].value, module, arg)
     edits = []
     for node in ast.walk(tree):
-        if (
-            isinstance(node, ast.Call)
-            and src.segment(node.func) == func
-            and len(node.args) == 1
-            and isinstance(node.args[0], ast.Name)
-            and node.args[0].id == arg
-        ):
-            keywords = "".join(f", {src.segment(k)}" for k in node.keywords)
-            joined = f"torch.cat([{func}(rows{keywords}) for rows in {arg}.split({chunk})])"
-            edits.append((*src.span(node), joined))
+        if not isinstance(node, ast.expr):
+            continue
+        if not (_calls_on(node, module, arg) if plain_call else src.segment(node) == expr):
+            continue
+        found = row_wise(node, modules)
+        if found is None or found.spine.id != arg:
+            continue
+        start, end = src.span(node)
+        at, to = src.span(found.spine)
+        per_chunk = source[start:at] + "rows" + source[to:end]
+        edits.append((start, end, f"torch.cat([{per_chunk} for rows in {arg}.split({chunk})])"))
     if not edits:
         return None
     return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))
+
+
+def _calls_on(node: ast.expr, module: str, arg: str) -> bool:
+    """Whether ``node`` is ``module(arg, ...)``: the model called on the tensor alone, keywords aside."""
+    return (
+        bool(module)
+        and isinstance(node, ast.Call)
+        and dotted_name(node.func) == module
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Name)
+        and node.args[0].id == arg
+    )
 
 
 def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) -> str | None:

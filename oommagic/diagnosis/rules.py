@@ -227,6 +227,8 @@ def _too_large(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) ->
         shrink, _ = _eval_batch_remedy(ctx, fig) if ctx.evaluating else _batch_remedy(ctx, fig, fig.training)
         remedies.append(shrink)
         remedies.extend(_request_remedies(ctx, fig))
+        if _splits_rows(ctx, fig):
+            remedies.append(_split_rows_remedy(ctx, fig))
         if not ctx.autocast_on and ctx.request is None and products_at(ctx.source, ctx.failing_line):
             # A product written in the cell (``emb @ emb.T``), no model's layer: in half precision its
             # output is half the size.
@@ -367,16 +369,8 @@ def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) 
     evidence = _split_evidence(ctx, fig) + growth + note
     remedies = [batch]
     call = ctx.rows_call
-    # With autograd on, every chunk's graph would stay with the joined output: nothing saved. A
-    # transformers model returns a ModelOutput, which torch.cat cannot join.
-    hf = {m.name for m in ctx.models if m.is_hf}
-    if (
-        not fig.training
-        and call
-        and (ctx.grad_enabled is False or call.line in grad_off_lines(ctx.source))
-        and _top(call.func) not in hf
-    ):
-        evidence += f" Line {call.line} runs {call.func} on all {call.rows} rows of {call.arg} at once."
+    if _splits_rows(ctx, fig):
+        evidence += f" Line {call.line} computes all {call.rows} rows of {call.arg} at once."
         remedies.append(_split_rows_remedy(ctx, fig))
     if ctx.autocast_on:
         evidence += " Autocast is already on."
@@ -392,16 +386,32 @@ def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) 
     return _finding("activations", title, evidence, remedies, fig)
 
 
+def _splits_rows(ctx: DiagnosisContext, fig: Figures) -> bool:
+    """Whether the failing line's row-by-row expression (``ctx.rows_call``) can run on chunks of rows:
+    not in training; a model called with autograd on would keep every chunk's graph with the joined
+    output (nothing saved), and a transformers model returns a ModelOutput, which torch.cat cannot join."""
+    call = ctx.rows_call
+    if fig.training or call is None:
+        return False
+    if not call.func:
+        return True  # tensors without autograd (the context checked): no graph to keep
+    hf = {m.name for m in ctx.models if m.is_hf}
+    grad_off = ctx.grad_enabled is False or call.line in grad_off_lines(ctx.source)
+    return grad_off and _top(call.func) not in hf
+
+
 def _split_rows_remedy(ctx: DiagnosisContext, fig: Figures) -> Remedy:
-    """The model on the failing line called on fewer rows of its input at a time: halved until the
-    activations that grow with the rows take at most half of what the budget leaves (the failed run's
-    demand is a lower bound: the layers after the one that failed were never reached)."""
+    """The failing line's expression computed on fewer rows of its input at a time: halved until what
+    grows with the rows (the activations, or the one request larger than the card) takes at most half of
+    what the budget leaves (the failed run's demand is a lower bound: the layers after the one that
+    failed were never reached)."""
     call = ctx.rows_call
     assert call is not None
     chunk = max(call.rows // 2, 1)
-    if fig.activations and fig.budget is not None:
+    grows = max(fig.activations or 0, fig.requested or 0)
+    if grows and fig.budget is not None:
         room = (fig.budget * (1 - MARGIN) - fig.fixed) / 2
-        while chunk > 1 and fig.activations * chunk / call.rows > room:
+        while chunk > 1 and grows * chunk / call.rows > room:
             chunk //= 2
     return fix.split_rows(ctx, fig, call, chunk)
 

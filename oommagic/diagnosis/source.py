@@ -599,6 +599,119 @@ def products_at(source: str, line: int | None) -> bool:
     return False
 
 
+# Reductions and maps that keep rows apart when they run along another dimension (``dim=1``); those
+# returning (values, indices) are read through ``.values`` / ``.indices`` / ``[0]`` / ``[1]``.
+_ROW_REDUCTIONS = frozenset(
+    {"argmin", "argmax", "sum", "mean", "amax", "amin", "logsumexp", "norm", "std", "var", "softmax"}
+    | {"log_softmax", "normalize", "cumsum", "argsort", "all", "any", "topk", "max", "min", "sort"}
+    | {"kthvalue"}
+)
+_PAIRS = frozenset({"topk", "max", "min", "sort", "kthvalue"})
+_ROW_MAPS = frozenset({"float", "half", "bfloat16", "double", "exp", "log", "sigmoid", "relu", "abs"})
+_ROW_MAPS |= {"sqrt", "cpu", "detach", "clone", "neg", "tanh", "to", "int", "long"}
+# Functions whose first argument's rows make the output's rows: products with a second operand.
+ROW_PRODUCTS = frozenset({"cdist", "matmul", "mm", "linear"})
+
+
+@dataclass(frozen=True)
+class RowWise:
+    """An expression computed row by row from the rows of one name (``arg``): ``spine`` is that name's
+    node in it, ``product`` whether it multiplies by something (a matrix, a model's layers: what makes the
+    memory), ``pair`` whether it ends in a (values, indices) pair, ``module`` the callee where a model is
+    called on it."""
+
+    spine: ast.Name
+    product: bool
+    pair: bool = False
+    module: str | None = None
+
+
+def _dim_of(call: ast.Call, position: int) -> int | None:
+    """The int ``dim`` a call passes, by keyword or at ``position``; None where it passes none."""
+    for k in call.keywords:
+        if k.arg == "dim":
+            return signed_int_literal(k.value)
+    if len(call.args) > position:
+        return signed_int_literal(call.args[position])
+    return None
+
+
+def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise | None:
+    """Whether ``node`` computes its rows from the rows of one name alone, following its first operand:
+    ``X @ W``, ``torch.cdist(X, Y)``, ``model(X)`` (``model`` in ``modules``), then maps and reductions
+    along another dimension (``.argmin(dim=1)``, ``.topk(5, dim=1).indices``, ``.softmax(-1)``). Rows of
+    a chunk then are rows of the whole; the other operands are used whole."""
+    if isinstance(node, ast.Name):
+        return RowWise(node, product=False)
+    if isinstance(node, ast.BinOp):
+        inner = row_wise(node.left, modules)
+        if inner is None or inner.pair:
+            return None
+        if isinstance(node.op, ast.MatMult):
+            return RowWise(inner.spine, True, module=inner.module)
+        scalar = isinstance(node.right, ast.Constant) and isinstance(node.right.value, (int, float))
+        arithmetic = isinstance(node.op, (ast.Mult, ast.Div, ast.Add, ast.Sub, ast.Pow))
+        return inner if scalar and arithmetic else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return row_wise(node.operand, modules)
+    if isinstance(node, ast.Attribute) and node.attr in ("values", "indices"):
+        inner = row_wise(node.value, modules)
+        return RowWise(inner.spine, inner.product, module=inner.module) if inner and inner.pair else None
+    if isinstance(node, ast.Subscript) and int_literal(node.slice) in (0, 1):
+        inner = row_wise(node.value, modules)
+        return RowWise(inner.spine, inner.product, module=inner.module) if inner and inner.pair else None
+    if not isinstance(node, ast.Call):
+        return None
+    name = dotted_name(node.func)
+    last = name.rsplit(".", 1)[-1]
+    if name in modules and len(node.args) == 1 and all(k.arg is not None for k in node.keywords):
+        inner = row_wise(node.args[0], modules)
+        return RowWise(inner.spine, True, module=name) if inner and not inner.pair else None
+    if isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Name | ast.Attribute):
+        method_of = node.func.value  # `(X @ W).argmin(dim=1)`: a method of an expression
+    elif isinstance(node.func, ast.Attribute) and name.split(".", 1)[0] not in ("torch", "F", "nn"):
+        method_of = node.func.value  # `X.softmax(dim=1)`
+    else:
+        method_of = None
+    if method_of is not None:
+        inner = row_wise(method_of, modules)
+        if inner is None or inner.pair:
+            return None
+        if last in _ROW_MAPS:
+            return inner
+        if last in _ROW_REDUCTIONS:
+            dim = _dim_of(node, 1 if last in ("topk", "kthvalue") else 0)
+            if dim is not None and dim != 0:
+                return RowWise(inner.spine, inner.product, pair=last in _PAIRS, module=inner.module)
+        return None
+    if not node.args:
+        return None
+    inner = row_wise(node.args[0], modules)
+    if inner is None or inner.pair:
+        return None
+    if last in ROW_PRODUCTS:
+        return RowWise(inner.spine, True, module=inner.module)
+    if last in ("softmax", "log_softmax", "normalize"):
+        dim = _dim_of(node, 1)
+        return inner if dim is not None and dim != 0 else None
+    return None
+
+
+def rows_expression(source: str, line: int, modules: frozenset[str] = frozenset()) -> ast.expr | None:
+    """The outermost expression on ``line`` computed row by row from one name's rows with a product in
+    it (``row_wise``): what can run a chunk of rows at a time and be joined."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.expr) and node.lineno <= line <= (node.end_lineno or node.lineno)):
+            continue
+        found = row_wise(node, modules)
+        if found is not None and found.product and not found.pair and node is not found.spine:
+            return node
+    return None
+
+
 def generates(source: str) -> bool:
     """Whether the cell calls ``.generate(...)`` or builds a ``pipeline(...)``."""
     return any(d.rsplit(".", 1)[-1] in ("generate", "pipeline") for d in called_names(source))

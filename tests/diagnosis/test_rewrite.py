@@ -374,18 +374,50 @@ def test_a_model_called_on_a_whole_tensor_is_called_on_chunks_of_its_rows_and_jo
         "    again = net.encoder(X)\n"
         "print(out.shape)\n"
     )
-    assert split_rows_source(cell, "net.encoder", "X", 512) == (
+    assert split_rows_source(cell, "net.encoder(X, mask=m)", "X", 512, "net.encoder") == (
         "with torch.no_grad():\n"
         "    out = torch.cat([net.encoder(rows, mask=m) for rows in X.split(512)])\n"
         "    again = torch.cat([net.encoder(rows) for rows in X.split(512)])\n"
         "print(out.shape)\n"
     ), "every call, keywords kept"
     plain = "y = model(X)\n"
-    assert split_rows_source(plain, "model", "X", 64) == (
+    assert split_rows_source(plain, "model(X)", "X", 64, "model") == (
         "import torch\ny = torch.cat([model(rows) for rows in X.split(64)])\n"
     ), "torch imported where the cell does not name it"
-    assert split_rows_source(plain, "model", "Y", 64) is None
-    assert split_rows_source("y = model(X, Z)\n", "model", "X", 64) is None, "two inputs: not split"
+    assert split_rows_source(plain, "model(Y)", "Y", 64, "model") is None
+    assert split_rows_source("y = model(X, Z)\n", "model(X, Z)", "X", 64, "model") is None, "two inputs"
+
+
+def test_a_row_wise_expression_runs_on_chunks_of_rows_and_its_results_are_joined():
+    knn = "nearest = torch.cdist(Xq, Xdb).argmin(dim=1)\nprint(nearest[:3])\n"
+    assert split_rows_source(knn, "torch.cdist(Xq, Xdb).argmin(dim=1)", "Xq", 500) == (
+        "nearest = torch.cat([torch.cdist(rows, Xdb).argmin(dim=1) for rows in Xq.split(500)])\n"
+        "print(nearest[:3])\n"
+    )
+    top = "best = (q @ db.T).topk(5, dim=1).indices\n"
+    assert split_rows_source(top, "(q @ db.T).topk(5, dim=1).indices", "q", 64) == (
+        "import torch\nbest = torch.cat([(rows @ db.T).topk(5, dim=1).indices for rows in q.split(64)])\n"
+    )
+    probs = "p = model(X).softmax(dim=-1).cpu()\n"
+    assert split_rows_source(probs, "model(X).softmax(dim=-1).cpu()", "X", 8, "model") == (
+        "import torch\np = torch.cat([model(rows).softmax(dim=-1).cpu() for rows in X.split(8)])\n"
+    )
+
+
+def test_only_expressions_that_keep_rows_apart_are_split():
+    from oommagic.diagnosis.source import rows_expression
+
+    def found(line, modules=frozenset()):
+        node = rows_expression(line, 1, modules)
+        return ast.get_source_segment(line, node) if node is not None else None
+
+    assert found("d = torch.cdist(Xq, Xdb).argmin(dim=1)") == "torch.cdist(Xq, Xdb).argmin(dim=1)"
+    assert found("m = (a @ b).max(dim=1).values") == "(a @ b).max(dim=1).values"
+    assert found("m = (a @ b).max(dim=0).values") == "a @ b", "a reduction over the rows: the product only"
+    assert found("m = (a @ b).topk(3, dim=1)") == "a @ b", "a (values, indices) pair is not joined"
+    assert found("s = x.softmax(dim=1)") is None, "no product: nothing grows with the rows"
+    assert found("y = f(X)") is None and found("y = f(X)", frozenset({"f"})) == "f(X)"
+    assert found("y = (X @ W).sum()") == "X @ W", "a sum over everything is no row's"
 
 
 def test_a_product_on_the_failing_line_is_read_from_the_cell():

@@ -169,3 +169,42 @@ def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fit
         diff = (got[:4096] - expected).abs().max().item()
         print(f"largest difference from a call on the first rows: {diff:.3g}")
         assert got.shape == (65536, 10) and torch.allclose(got[:4096], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_nearest_neighbours_on_cuda_run_on_chunks_of_queries_and_fit(shell, cell):
+    # 32,768 queries × 65,536 points of float32 distances: one 8 GiB request over a 4 GiB card.
+    cell(
+        "torch.manual_seed(0)\n"
+        "Xdb_gpu = torch.randn(65536, 128, device='cuda')\n"
+        "Xq_gpu = torch.randn(32768, 128, device='cuda')\n"
+    )
+    with dropped_after(shell, "Xdb_gpu", "Xq_gpu", "nearest_gpu"):
+        cell("%%gpumem --limit 4GiB --quiet\nnearest_gpu = torch.cdist(Xq_gpu, Xdb_gpu).argmin(dim=1)\n")
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        print([e.line() for e in run.plan.entries])
+        first = run.plan.entries[0]
+        assert first.kind == "split_rows" and first.verdict == "fits"
+        new = session_for(shell).retry(run, first.fixes[0])
+        print(new.headline())
+        assert new.outcome == "ok" and new.peak_allocated <= 4 * 2**30
+        expected = torch.cdist(shell.user_ns["Xq_gpu"][:1024], shell.user_ns["Xdb_gpu"]).argmin(dim=1)
+        assert torch.equal(shell.user_ns["nearest_gpu"][:1024], expected)
+
+
+def test_a_similarity_matrix_larger_than_the_card_on_cuda_fits_in_half_precision(shell, cell):
+    # 40,000 × 40,000 float32 similarities: one 6 GiB request over a 4 GiB card; in bfloat16, 3 GiB.
+    cell(
+        "torch.manual_seed(0)\n"
+        "emb_gpu = torch.nn.functional.normalize(torch.randn(40000, 256, device='cuda'), dim=1)\n"
+    )
+    with dropped_after(shell, "emb_gpu", "sims_gpu"):
+        cell("%%gpumem --limit 4GiB --quiet\nsims_gpu = emb_gpu @ emb_gpu.T\n")
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        print([e.line() for e in run.plan.entries])
+        first = run.plan.entries[0]
+        assert first.kind == "autocast" and first.verdict == "fits"
+        new = session_for(shell).retry(run, first.fixes[0])
+        print(new.headline())
+        assert new.outcome == "ok" and shell.user_ns["sims_gpu"].dtype == torch.bfloat16

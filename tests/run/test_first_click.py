@@ -607,7 +607,7 @@ def test_a_batch_default_is_not_read_where_the_call_passes_it_or_spreads_its_arg
         assert default_batch(passed, ns) is None, passed
 
 
-LOADER_SETUP = """\
+HOST_DATA_SETUP = """\
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -617,7 +617,7 @@ loader = DataLoader(ds, batch_size=512, shuffle=True)
 net = nn.Sequential(nn.Flatten(), nn.Linear(64 * 128, 512), nn.ReLU(), nn.Linear(512, 10))
 opt = torch.optim.Adam(net.parameters(), lr=1e-3)
 """
-LOADER_CELL = """\
+HOST_DATA_CELL = """\
 for xb, yb in loader:
     opt.zero_grad()
     nn.functional.cross_entropy(net(xb), yb).backward()
@@ -629,8 +629,8 @@ def test_a_loader_over_a_dataset_on_the_host_gets_its_batch_cut_and_fits(shell, 
     # The 64 MiB dataset was made outside %%gpumem: the samples the loader indexes out of it are views,
     # not the dataset on the card (which once left "not even batch 1 fits"). The model's 16 MiB of
     # weights, built in the same setup cell, are on the card from the cell's first use of them.
-    run_cell(LOADER_SETUP)
-    failed, fix, fitted = first_click(100, LOADER_CELL, shell, run_cell)
+    run_cell(HOST_DATA_SETUP)
+    failed, fix, fitted = first_click(100, HOST_DATA_CELL, shell, run_cell)
     counted = failed.categories
     assert counted["parameters"] >= 16 * 2**20, counted.parts
     assert all(a.nbytes < 64 * 2**20 for a in counted.top), "no sample counted as the whole dataset"
@@ -675,3 +675,17 @@ def test_a_batch_named_only_as_the_first_dimension_of_the_loops_data_is_cut_and_
     batch = next(e for e in failed.plan.entries if e.kind == "batch")
     assert batch.verdict == "fits" and "BATCH = " in (batch.fixes[-1].new_source or ""), batch
     assert fix.verdict == "fits" and fitted.outcome == "ok", fitted.headline()
+
+
+def test_nearest_neighbours_over_a_distance_matrix_larger_than_the_card_run_on_chunks_and_fit(
+    shell, run_cell
+):
+    # 4,000 queries × 20,000 points of float32 distances: one 305 MiB request over a 200 MiB card.
+    run_cell("torch.manual_seed(0)\nXdb = torch.randn(20000, 64)\nXq = torch.randn(4000, 64)")
+    expected = torch.cdist(shell.user_ns["Xq"][:50], shell.user_ns["Xdb"]).argmin(dim=1)
+    cell = "nearest = torch.cdist(Xq, Xdb).argmin(dim=1)\n"
+    _, fix, fitted = first_click(200, cell, shell, run_cell)
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "torch.cat([torch.cdist(rows, Xdb).argmin(dim=1) for rows in Xq.split(" in fitted.source
+    assert torch.equal(shell.user_ns["nearest"][:50], expected), "the same neighbours"
