@@ -15,7 +15,7 @@ import linecache
 import os
 from collections.abc import Iterator, Sequence
 from itertools import chain, repeat
-from operator import itemgetter, sub
+from operator import itemgetter, methodcaller, sub
 from typing import Any
 
 from ...categories import Block
@@ -108,10 +108,9 @@ def cuda_timeline(
     origin = start_us if origin_us is None else origin_us
     traces = snapshot.get("device_traces") or []
     raw = traces[index] if index < len(traces) else []
-    trace = raw if isinstance(raw, TraceColumns) else TraceColumns.read(raw)
-    times, raw_sizes = trace.ints("time_us"), trace.ints("size")
-    truncated = len(trace) >= CUDA_TRACE_ENTRIES and len(trace) > 0 and bool(times[0] > start_us)
-    kinds = np.asarray(_REPLAY_TABLE, np.int8)[trace.codes]
+    codes, times, raw_sizes, addrs, frames = _replayed_fields(raw)
+    truncated = len(raw) >= CUDA_TRACE_ENTRIES and len(raw) > 0 and bool(times[0] > start_us)
+    kinds = np.asarray(_REPLAY_TABLE, np.int8)[codes]
     replayed = np.flatnonzero((kinds > 0) & (times >= start_us))
     kinds, when = kinds[replayed], times[replayed]
     # The allocator counts whole blocks, multiples of 512 bytes; round a trace size up to one.
@@ -126,8 +125,8 @@ def cuda_timeline(
         moving = (kinds == _ALLOC) | (kinds == _FREE)
         at = replayed[moving]
         offset = len(events)
-        found = _lines(trace.frames(), at, kinds[moving] == _ALLOC) if lines else None
-        events.add(when[moving], trace.ints("addr")[at], da[moving], found)
+        found = _lines(frames, at, kinds[moving] == _ALLOC) if lines else None
+        events.add(when[moving], addrs[at], da[moving], found)
         levels = allocated[moving]
         top = int(levels.max()) if len(levels) else before[0]
         if top > before[0]:
@@ -143,6 +142,41 @@ def cuda_timeline(
         truncated=truncated,
         events=len(replayed),
     )
+
+
+def _replayed_fields(trace: Any) -> tuple[Any, Any, Any, Any, list | None]:
+    """What the replay reads of each entry: its action's code, µs, bytes and address (int64 arrays), and
+    its frames (None where no entry has any), from columns or from the allocator's dicts."""
+    import numpy as np
+
+    if isinstance(trace, TraceColumns):
+        return trace.codes, trace.ints("time_us"), trace.ints("size"), trace.ints("addr"), trace.frames()
+    n = len(trace)
+    try:
+        flat = list(chain.from_iterable(map(_FIELDS, trace)))
+    except KeyError:  # an oom has no addr; a hand-written entry may lack more
+        flat = [
+            x
+            for e in trace
+            for x in (e.get("action"), e.get("time_us", 0), e.get("size", 0), e.get("addr", 0))
+        ]
+    codes = np.fromiter(map(_CODES.get, flat[0::4], repeat(0)), np.int8, n)
+    ints = [_int64(flat[k::4]) for k in (1, 2, 3)]
+    frames = list(map(methodcaller("get", "frames"), trace))
+    return codes, *ints, frames if any(frames) else None
+
+
+_FIELDS = itemgetter("action", "time_us", "size", "addr")
+
+
+def _int64(values: list) -> Any:
+    """``values`` as an int64 array, 0 for what is no int (a hand-written entry's gap)."""
+    import numpy as np
+
+    try:
+        return np.fromiter(values, np.int64, len(values))
+    except (TypeError, ValueError, OverflowError):
+        return np.fromiter((v if type(v) is int else 0 for v in values), np.int64, len(values))
 
 
 def _levels(before: int, levels: Any) -> tuple[int, ...]:
@@ -207,9 +241,9 @@ class TraceColumns:
     one value in every entry as that value, any other field (frames recorded with ``--stacks``) as a
     list. A twenty-fifth of the dicts' memory (0.34 MB for the 20,000 entries of 10,000 small ops, 8.6
     MB as dicts), nothing for the garbage collector to walk, and what the replay reads without touching a
-    dict again. ``entries()`` gives the dicts back, equal to the allocator's, for
-    the viewer. An entry unlike the rest (an oom's ``device_free``, an action this module does not know,
-    other keys) is also kept whole, and gives its own values.
+    dict again. ``entries()`` gives the dicts back, equal to the allocator's, for the viewer. An entry
+    unlike the rest (an oom's ``device_free``, an action this module does not know) is also kept whole,
+    and gives its own values.
 
     One pass reads every entry with the first's keys (the allocator builds each with the same ones); a
     trace whose entries differ in their keys (frames on allocs only, an oom's ``device_free``, one written
@@ -222,6 +256,19 @@ class TraceColumns:
 
     @classmethod
     def read(cls, entries: list[dict]) -> TraceColumns:
+        """Any trace as columns: an uneven one read entry by entry."""
+        found = cls._read(entries, uneven=True)
+        assert found is not None
+        return found
+
+    @classmethod
+    def pack(cls, entries: list[dict]) -> TraceColumns | None:
+        """The trace as columns where one pass reads it (None for an uneven one: with ``--stacks`` only
+        allocs carry frames, and those dicts are kept as they are)."""
+        return cls._read(entries, uneven=False)
+
+    @classmethod
+    def _read(cls, entries: list[dict], uneven: bool) -> TraceColumns | None:
         import numpy as np
 
         m = len(entries)
@@ -229,11 +276,12 @@ class TraceColumns:
             return cls((), np.zeros(0, np.int8), {}, {}, 0)
         keys = tuple(entries[0])
         if "action" not in keys or sum(map(len, entries)) != len(keys) * m:
-            return cls._read_each(entries)  # frames on allocs only (--stacks), a hand-written trace
+            # Frames on allocs only (--stacks), a hand-written trace.
+            return cls._read_each(entries) if uneven else None
         try:
             flat = list(chain.from_iterable(map(itemgetter(*keys), entries)))
         except KeyError:
-            return cls._read_mixed(entries, keys)
+            return cls._read_mixed(entries, keys, uneven)
         n = len(keys)
         columns = {k: flat[i::n] for i, k in enumerate(keys)}
         del flat
@@ -242,7 +290,7 @@ class TraceColumns:
         return cls._build(keys, codes, columns, {i: entries[i] for i in whole_at})
 
     @classmethod
-    def _read_mixed(cls, entries: list[dict], keys: tuple) -> TraceColumns:
+    def _read_mixed(cls, entries: list[dict], keys: tuple, uneven: bool) -> TraceColumns | None:
         """A trace with entries of as many keys, other ones (an oom's ``device_free`` for ``addr``): those
         kept whole, the rest read in one pass."""
         import numpy as np
@@ -251,7 +299,7 @@ class TraceColumns:
         try:
             actions = list(map(itemgetter("action"), entries))
         except KeyError:
-            return cls._read_each(entries)
+            return cls._read_each(entries) if uneven else None
         codes = np.fromiter(map(_CODES.get, actions, repeat(0)), np.int8, m)
         whole_at = np.flatnonzero((codes == 0) | (codes == _OOM_CODE)).tolist()
         whole = {i: entries[i] for i in whole_at}
@@ -271,7 +319,7 @@ class TraceColumns:
                         col.insert(i, _HOLE)
                 columns["action"] = actions
                 return cls._build(keys, codes, columns, whole)
-        return cls._read_each(entries)
+        return cls._read_each(entries) if uneven else None
         codes = np.fromiter(map(_CODES.get, actions, repeat(0)), np.int8, m)
         whole_at = np.flatnonzero((codes == 0) | (codes == _OOM_CODE)).tolist()
         whole = {i: entries[i] for i in whole_at}
@@ -291,7 +339,7 @@ class TraceColumns:
                         col.insert(i, _HOLE)
                 columns["action"] = actions
                 return cls._build(keys, codes, columns, whole)
-        return cls._read_each(entries)
+        return cls._read_each(entries) if uneven else None
 
     @classmethod
     def _read_each(cls, entries: list[dict]) -> TraceColumns:
@@ -386,9 +434,10 @@ class TraceColumns:
 
 
 def packed(snapshot: dict) -> dict:
-    """``snapshot`` with each device's trace kept as ``TraceColumns``: a new dict."""
+    """``snapshot`` with each device's trace kept as ``TraceColumns`` where one pass reads it (the dicts
+    where some carry frames): a new dict."""
     traces = [
-        t if isinstance(t, TraceColumns) else TraceColumns.read(t)
+        t if isinstance(t, TraceColumns) else TraceColumns.pack(t) or t
         for t in snapshot.get("device_traces") or ()
     ]
     return {**snapshot, "device_traces": traces} if traces else snapshot
