@@ -349,7 +349,9 @@ def _step_slices(loop: ast.AST, index: str, step: int) -> list[ast.expr]:
 
 
 def step_literals(source: str, step: int) -> list[ast.expr]:
-    """Every literal of the batch ``step_batch`` found: the ``range`` step and the slices' ends."""
+    """Every literal of the batch ``step_batch`` found: the ``range`` step, the slices' ends and the first
+    dimension of the data the loop makes beside them (a GAN's ``torch.randn(1024, 128)`` noise and
+    ``torch.ones(1024, 1)`` labels for a ``real_data[i:i + 1024]`` batch)."""
     tree = tree_of(source)
     if tree is None:
         return []
@@ -362,7 +364,8 @@ def step_literals(source: str, step: int) -> list[ast.expr]:
         if ranged and int_literal(it.args[2]) == step:
             slices = _step_slices(loop, loop.target.id, step)
             if slices:
-                out += [it.args[2], *slices]
+                sizes = [_leading_size(n) for n in ast.walk(loop) if isinstance(n, ast.Call)]
+                out += [it.args[2], *slices, *(n for n in sizes if n is not None and int_literal(n) == step)]
     return out
 
 

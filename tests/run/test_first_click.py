@@ -169,6 +169,28 @@ def test_batch_expressions_and_steps_are_read_from_the_cell():
     assert step_batch("for i in range(0, 100, 32):\n    print(i)\n") is None
 
 
+def test_a_step_batch_rewrite_also_sizes_the_data_the_loop_makes_beside_its_slices():
+    from oommagic.diagnosis.rewrite import rewrite_batch
+    from oommagic.diagnosis.source import step_batch
+
+    gan = (
+        "for i in range(0, 4096, 1024):\n"
+        "    real = real_data[i:i + 1024]\n"
+        "    z = torch.randn(1024, 128)\n"
+        "    loss = bce(D(real), torch.ones(1024, 1)) + bce(D(G(z)), torch.zeros((1024, 1)))\n"
+        "    w = torch.randn(128, 1024)\n"
+    )
+    guess = step_batch(gan)
+    assert guess is not None and guess.value == 1024
+    assert rewrite_batch(gan, guess, 256) == (
+        "for i in range(0, 4096, 256):\n"
+        "    real = real_data[i:i + 256]\n"
+        "    z = torch.randn(256, 128)\n"
+        "    loss = bce(D(real), torch.ones(256, 1)) + bce(D(G(z)), torch.zeros((256, 1)))\n"
+        "    w = torch.randn(128, 1024)\n"
+    ), "the noise and the labels of each step follow; a 1024 that is no first dimension stays"
+
+
 SYNTHETIC = """\
 for step in range(3):
     x = torch.randn(64, 256, 256)
