@@ -7,7 +7,6 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
-import ast
 from dataclasses import asdict
 from typing import Any
 
@@ -38,9 +37,9 @@ from .rewrite import (
 from .source import (
     BatchGuess,
     EvalBatch,
+    calls_only,
     calls_with_keyword,
     checkpoints,
-    dotted_name,
     eval_batch_literal,
     kept_sites,
     last_logits_calls,
@@ -658,7 +657,7 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
     new_source = split_rows_source(ctx.source, call.expression, call.arg, chunk, call.func)
     grows = max(fig.activations or 0, fig.requested or 0) or None
     saving = grows - grows * chunk // call.rows if grows else None
-    what = call.func if call.func and _calls_only(call.expression, call.func) else f"`{call.expression}`"
+    what = call.func if call.func and calls_only(call.expression, call.func) else f"`{call.expression}`"
     title = f"Run {what} on {chunk} rows of {call.arg} at a time (of {call.rows})"
     if call.func:
         why = (
@@ -687,15 +686,6 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
         },
         new_source=new_source,
     )
-
-
-def _calls_only(expression: str, func: str) -> bool:
-    """Whether ``expression`` is one call of ``func`` (``model(X, return_dict=False)``), nothing after."""
-    try:
-        node = ast.parse(expression, mode="eval").body
-    except SyntaxError:
-        return False
-    return isinstance(node, ast.Call) and dotted_name(node.func) == func
 
 
 def step_per_tensor_source(source: str, optimizers: list[str]) -> str:

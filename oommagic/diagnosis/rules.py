@@ -22,6 +22,7 @@ from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, R
 from .remedies import MARGIN
 from .source import (
     BatchGuess,
+    calls_only,
     disables_grad,
     grad_off_lines,
     kept_sites,
@@ -397,7 +398,7 @@ def _splits_rows(ctx: DiagnosisContext, fig: Figures) -> bool:
         return True  # tensors without autograd (the context checked): no graph to keep
     hf = {m.name for m in ctx.models if m.is_hf}
     grad_off = ctx.grad_enabled is False or call.line in grad_off_lines(ctx.source)
-    return grad_off and _top(call.func) not in hf
+    return grad_off and not (_top(call.func) in hf and calls_only(call.expression, call.func))
 
 
 def _split_rows_remedy(ctx: DiagnosisContext, fig: Figures) -> Remedy:

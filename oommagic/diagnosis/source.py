@@ -610,6 +610,10 @@ _ROW_REDUCTIONS = frozenset(
     | {"kthvalue"}
 )
 _PAIRS = frozenset({"topk", "max", "min", "sort", "kthvalue"})
+# The one input a transformers model takes by keyword, and the fields of its output that are one tensor
+# with a row per input row (its output object itself is no tensor: read through one of these).
+_INPUTS = frozenset({"input_ids", "pixel_values", "inputs_embeds", "input_values", "input_features"})
+_OUTPUT_FIELDS = ("last_hidden_state", "logits", "pooler_output", "image_embeds", "text_embeds")
 _ROW_MAPS = frozenset({"float", "half", "bfloat16", "double", "exp", "log", "sigmoid", "relu", "abs"})
 _ROW_MAPS |= {"sqrt", "cpu", "detach", "clone", "neg", "tanh", "to", "int", "long"}
 # Functions whose first argument's rows make the output's rows: products with a second operand.
@@ -657,7 +661,7 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
         return inner if scalar and arithmetic else None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return row_wise(node.operand, modules)
-    if isinstance(node, ast.Attribute) and node.attr in ("values", "indices"):
+    if isinstance(node, ast.Attribute) and node.attr in ("values", "indices", *_OUTPUT_FIELDS):
         inner = row_wise(node.value, modules)
         return RowWise(inner.spine, inner.product, module=inner.module) if inner and inner.pair else None
     if isinstance(node, ast.Subscript) and int_literal(node.slice) in (0, 1):
@@ -670,6 +674,11 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
     if name in modules and len(node.args) == 1 and all(k.arg is not None for k in node.keywords):
         inner = row_wise(node.args[0], modules)
         return RowWise(inner.spine, True, module=name) if inner and not inner.pair else None
+    if name in modules and not node.args and len(node.keywords) == 1 and node.keywords[0].arg in _INPUTS:
+        # A transformers model called on its one input by keyword (`enc(input_ids=ids)`); its output is
+        # read through a tensor field (`.last_hidden_state`), which ``_OUTPUT_FIELDS`` lets through.
+        inner = row_wise(node.keywords[0].value, modules)
+        return RowWise(inner.spine, True, pair=True, module=name) if inner and not inner.pair else None
     if isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Name | ast.Attribute):
         method_of = node.func.value  # `(X @ W).argmin(dim=1)`: a method of an expression
     elif isinstance(node.func, ast.Attribute) and name.split(".", 1)[0] not in ("torch", "F", "nn"):
@@ -698,6 +707,15 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
         dim = _dim_of(node, 1)
         return inner if dim is not None and dim != 0 else None
     return None
+
+
+def calls_only(expression: str, func: str) -> bool:
+    """Whether ``expression`` is one call of ``func`` (``model(X, return_dict=False)``), nothing after."""
+    tree = tree_of(expression)
+    if tree is None or len(tree.body) != 1 or not isinstance(tree.body[0], ast.Expr):
+        return False
+    node = tree.body[0].value
+    return isinstance(node, ast.Call) and dotted_name(node.func) == func
 
 
 def rows_expression(source: str, line: int, modules: frozenset[str] = frozenset()) -> ast.expr | None:

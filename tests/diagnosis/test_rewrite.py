@@ -418,6 +418,13 @@ def test_only_expressions_that_keep_rows_apart_are_split():
     assert found("s = x.softmax(dim=1)") is None, "no product: nothing grows with the rows"
     assert found("y = f(X)") is None and found("y = f(X)", frozenset({"f"})) == "f(X)"
     assert found("y = (X @ W).sum()") == "X @ W", "a sum over everything is no row's"
+    # A transformers model on its one input by keyword, read through a tensor field of its output.
+    hf = frozenset({"enc"})
+    assert found("f = enc(input_ids=ids).last_hidden_state.mean(dim=1)", hf) == (
+        "enc(input_ids=ids).last_hidden_state.mean(dim=1)"
+    )
+    assert found("out = enc(input_ids=ids)", hf) is None, "its output object is no tensor to join"
+    assert found("f = enc(input_ids=ids, attention_mask=m).logits", hf) is None, "two inputs"
 
 
 def test_a_product_on_the_failing_line_is_read_from_the_cell():

@@ -711,3 +711,23 @@ def test_nearest_neighbours_over_a_distance_matrix_larger_than_the_card_run_on_c
     assert fitted.outcome == "ok", fitted.headline()
     assert "torch.cat([torch.cdist(rows, Xdb).argmin(dim=1) for rows in Xq.split(" in fitted.source
     assert torch.equal(shell.user_ns["nearest"][:50], expected), "the same neighbours"
+
+
+def test_features_of_a_transformers_encoder_on_a_whole_tensor_run_on_chunks_of_rows_and_fit(shell, run_cell):
+    pytest.importorskip("transformers")
+    run_cell(
+        "from transformers import GPT2Config, GPT2Model\n"
+        "torch.manual_seed(0)\n"
+        "config = GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=1000, n_positions=256)\n"
+        "enc = GPT2Model(config).eval()\n"
+        "ids = torch.randint(0, 1000, (1024, 128))\n"
+    )
+    with torch.no_grad():
+        expected = shell.user_ns["enc"](input_ids=shell.user_ns["ids"][:8]).last_hidden_state.mean(dim=1)
+    cell = "with torch.no_grad():\n    feats = enc(input_ids=ids).last_hidden_state.mean(dim=1)\n"
+    _, fix, fitted = first_click(150, cell, shell, run_cell)
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert (
+        "torch.cat([enc(input_ids=rows).last_hidden_state.mean(dim=1) for rows in ids.split(" in fitted.source
+    )
+    assert fitted.outcome == "ok" and torch.allclose(shell.user_ns["feats"][:8], expected, atol=1e-5)
