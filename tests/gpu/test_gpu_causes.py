@@ -208,3 +208,29 @@ def test_a_similarity_matrix_larger_than_the_card_on_cuda_fits_in_half_precision
         new = session_for(shell).retry(run, first.fixes[0])
         print(new.headline())
         assert new.outcome == "ok" and shell.user_ns["sims_gpu"].dtype == torch.bfloat16
+
+
+def test_features_of_a_transformers_encoder_on_cuda_run_on_chunks_of_rows_and_fit(shell, cell):
+    pytest.importorskip("transformers")
+    # 16,384 sequences of 512 tokens through a 4-layer GPT-2 at once: 8 GiB per layer's activations.
+    cell(
+        "from transformers import GPT2Config, GPT2Model\n"
+        "torch.manual_seed(0)\n"
+        "config_gpu = GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=512)\n"
+        "enc_gpu = GPT2Model(config_gpu).cuda().eval()\n"
+        "ids_gpu = torch.randint(0, 8192, (16384, 512), device='cuda')\n"
+    )
+    with dropped_after(shell, "enc_gpu", "ids_gpu", "feats_gpu", "config_gpu"):
+        cell(
+            "%%gpumem --limit 4GiB --quiet\n"
+            "with torch.no_grad():\n"
+            "    feats_gpu = enc_gpu(input_ids=ids_gpu).last_hidden_state.mean(dim=1)\n"
+        )
+        run = last_run()
+        assert run.outcome == "oom", run.headline()
+        print([e.line() for e in run.plan.entries])
+        first = run.plan.entries[0]
+        assert first.kind == "split_rows" and first.verdict == "fits"
+        new = session_for(shell).retry(run, first.fixes[0])
+        print(new.headline())
+        assert new.outcome == "ok" and shell.user_ns["feats_gpu"].shape == (16384, 256)
