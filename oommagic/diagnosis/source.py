@@ -624,13 +624,19 @@ ROW_PRODUCTS = frozenset({"cdist", "matmul", "mm", "linear"})
 class RowWise:
     """An expression computed row by row from the rows of one name (``arg``): ``spine`` is that name's
     node in it, ``product`` whether it multiplies by something (a matrix, a model's layers: what makes the
-    memory), ``pair`` whether it ends in a (values, indices) pair, ``module`` the callee where a model is
-    called on it."""
+    memory), ``fields`` what it is read through where it is no tensor yet (a (values, indices) pair, a
+    transformers model's output), ``module`` the callee where a model is called on it."""
 
     spine: ast.Name
     product: bool
-    pair: bool = False
+    fields: tuple[str, ...] = ()
     module: str | None = None
+
+    @property
+    def pair(self) -> bool:
+        """Whether it is no tensor yet: a (values, indices) pair, a model's output object, read through
+        one of ``fields`` (or ``[0]``)."""
+        return bool(self.fields)
 
 
 def _dim_of(call: ast.Call, position: int) -> int | None:
@@ -661,12 +667,20 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
         return inner if scalar and arithmetic else None
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
         return row_wise(node.operand, modules)
-    if isinstance(node, ast.Attribute) and node.attr in ("values", "indices", *_OUTPUT_FIELDS):
+    if isinstance(node, ast.Attribute):
         inner = row_wise(node.value, modules)
-        return RowWise(inner.spine, inner.product, module=inner.module) if inner and inner.pair else None
-    if isinstance(node, ast.Subscript) and int_literal(node.slice) in (0, 1):
+        read = inner is not None and node.attr in inner.fields
+        return RowWise(inner.spine, inner.product, module=inner.module) if read else None
+    if isinstance(node, ast.Subscript):
         inner = row_wise(node.value, modules)
-        return RowWise(inner.spine, inner.product, module=inner.module) if inner and inner.pair else None
+        at = int_literal(node.slice)
+        read = (
+            inner is not None
+            and inner.pair
+            and at is not None
+            and at < (2 if "indices" in inner.fields else 1)
+        )
+        return RowWise(inner.spine, inner.product, module=inner.module) if read else None
     if not isinstance(node, ast.Call):
         return None
     name = dotted_name(node.func)
@@ -678,7 +692,8 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
         # A transformers model called on its one input by keyword (`enc(input_ids=ids)`); its output is
         # read through a tensor field (`.last_hidden_state`), which ``_OUTPUT_FIELDS`` lets through.
         inner = row_wise(node.keywords[0].value, modules)
-        return RowWise(inner.spine, True, pair=True, module=name) if inner and not inner.pair else None
+        found = inner is not None and not inner.pair
+        return RowWise(inner.spine, True, fields=_OUTPUT_FIELDS, module=name) if found else None
     if isinstance(node.func, ast.Attribute) and not isinstance(node.func.value, ast.Name | ast.Attribute):
         method_of = node.func.value  # `(X @ W).argmin(dim=1)`: a method of an expression
     elif isinstance(node.func, ast.Attribute) and name.split(".", 1)[0] not in ("torch", "F", "nn"):
@@ -694,7 +709,8 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
         if last in _ROW_REDUCTIONS:
             dim = _dim_of(node, 1 if last in ("topk", "kthvalue") else 0)
             if dim is not None and dim != 0:
-                return RowWise(inner.spine, inner.product, pair=last in _PAIRS, module=inner.module)
+                fields = ("values", "indices") if last in _PAIRS else ()
+                return RowWise(inner.spine, inner.product, fields=fields, module=inner.module)
         return None
     if not node.args:
         return None

@@ -425,6 +425,9 @@ def test_only_expressions_that_keep_rows_apart_are_split():
     )
     assert found("out = enc(input_ids=ids)", hf) is None, "its output object is no tensor to join"
     assert found("f = enc(input_ids=ids, attention_mask=m).logits", hf) is None, "two inputs"
+    assert found("f = enc(input_ids=ids)[0].mean(dim=1)", hf) == "enc(input_ids=ids)[0].mean(dim=1)"
+    assert found("f = enc(input_ids=ids).values", hf) is None, "a field of a pair, not of a model's output"
+    assert found("m = (a @ b).max(dim=1)[1]") == "(a @ b).max(dim=1)[1]"
 
 
 def test_a_product_on_the_failing_line_is_read_from_the_cell():
