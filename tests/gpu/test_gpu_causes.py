@@ -40,6 +40,21 @@ def fix_of(run, kind: str):
     return next(r for f in run.findings for r in f.remedies if r.kind == kind and r.automatic)
 
 
+def first_entry_fits(shell, cell, source: str, kind: str):
+    """Run ``source`` (a %%gpumem cell that runs out), check the plan's first entry is ``kind`` and fits,
+    press it; returns the failed run and the retry, which ran without error."""
+    cell(source)
+    run = last_run()
+    assert run.outcome == "oom", run.headline()
+    print([e.line() for e in run.plan.entries])
+    first = run.plan.entries[0]
+    assert first.kind == kind and first.verdict == "fits"
+    new = session_for(shell).retry(run, first.fixes[0])
+    print(new.headline())
+    assert new.outcome == "ok"
+    return run, new
+
+
 def test_a_plain_cells_oom_pins_memory_and_gpumem_free_gives_it_back(shell, cell):
     cell(
         "def fill_plain(n):\n"
@@ -152,15 +167,12 @@ def test_a_model_called_on_a_whole_tensor_on_cuda_runs_on_chunks_of_rows_and_fit
         "X_gpu = torch.randn(65536, 1024, device='cuda')\n"
     )
     with dropped_after(shell, "scorer_gpu", "X_gpu", "scores_gpu"):
-        cell("%%gpumem --limit 2GiB --quiet\nwith torch.no_grad():\n    scores_gpu = scorer_gpu(X_gpu)\n")
-        run = last_run()
-        assert run.outcome == "oom", run.headline()
-        print([e.line() for e in run.plan.entries])
-        first = run.plan.entries[0]
-        assert first.kind == "split_rows" and first.verdict == "fits"
-        new = session_for(shell).retry(run, first.fixes[0])
-        print(new.headline())
-        assert new.outcome == "ok"
+        first_entry_fits(
+            shell,
+            cell,
+            "%%gpumem --limit 2GiB --quiet\nwith torch.no_grad():\n    scores_gpu = scorer_gpu(X_gpu)\n",
+            "split_rows",
+        )
         # Checked after the fix: the whole call's 2 GiB outputs, freed to the cache before the failing
         # cell, would leave a segment a small tensor pins (above the limit, unusable for 2 GiB).
         got = shell.user_ns["scores_gpu"]
@@ -179,15 +191,13 @@ def test_nearest_neighbours_on_cuda_run_on_chunks_of_queries_and_fit(shell, cell
         "Xq_gpu = torch.randn(32768, 128, device='cuda')\n"
     )
     with dropped_after(shell, "Xdb_gpu", "Xq_gpu", "nearest_gpu"):
-        cell("%%gpumem --limit 4GiB --quiet\nnearest_gpu = torch.cdist(Xq_gpu, Xdb_gpu).argmin(dim=1)\n")
-        run = last_run()
-        assert run.outcome == "oom", run.headline()
-        print([e.line() for e in run.plan.entries])
-        first = run.plan.entries[0]
-        assert first.kind == "split_rows" and first.verdict == "fits"
-        new = session_for(shell).retry(run, first.fixes[0])
-        print(new.headline())
-        assert new.outcome == "ok" and new.peak_allocated <= 4 * 2**30
+        _, new = first_entry_fits(
+            shell,
+            cell,
+            "%%gpumem --limit 4GiB --quiet\nnearest_gpu = torch.cdist(Xq_gpu, Xdb_gpu).argmin(dim=1)\n",
+            "split_rows",
+        )
+        assert new.peak_allocated <= 4 * 2**30
         expected = torch.cdist(shell.user_ns["Xq_gpu"][:1024], shell.user_ns["Xdb_gpu"]).argmin(dim=1)
         assert torch.equal(shell.user_ns["nearest_gpu"][:1024], expected)
 
@@ -199,15 +209,10 @@ def test_a_similarity_matrix_larger_than_the_card_on_cuda_fits_in_half_precision
         "emb_gpu = torch.nn.functional.normalize(torch.randn(40000, 256, device='cuda'), dim=1)\n"
     )
     with dropped_after(shell, "emb_gpu", "sims_gpu"):
-        cell("%%gpumem --limit 4GiB --quiet\nsims_gpu = emb_gpu @ emb_gpu.T\n")
-        run = last_run()
-        assert run.outcome == "oom", run.headline()
-        print([e.line() for e in run.plan.entries])
-        first = run.plan.entries[0]
-        assert first.kind == "autocast" and first.verdict == "fits"
-        new = session_for(shell).retry(run, first.fixes[0])
-        print(new.headline())
-        assert new.outcome == "ok" and shell.user_ns["sims_gpu"].dtype == torch.bfloat16
+        first_entry_fits(
+            shell, cell, "%%gpumem --limit 4GiB --quiet\nsims_gpu = emb_gpu @ emb_gpu.T\n", "autocast"
+        )
+        assert shell.user_ns["sims_gpu"].dtype == torch.bfloat16
 
 
 def test_features_of_a_transformers_encoder_on_cuda_run_on_chunks_of_rows_and_fit(shell, cell):
@@ -221,16 +226,10 @@ def test_features_of_a_transformers_encoder_on_cuda_run_on_chunks_of_rows_and_fi
         "ids_gpu = torch.randint(0, 8192, (16384, 512), device='cuda')\n"
     )
     with dropped_after(shell, "enc_gpu", "ids_gpu", "feats_gpu", "config_gpu"):
-        cell(
+        source = (
             "%%gpumem --limit 4GiB --quiet\n"
             "with torch.no_grad():\n"
             "    feats_gpu = enc_gpu(input_ids=ids_gpu).last_hidden_state.mean(dim=1)\n"
         )
-        run = last_run()
-        assert run.outcome == "oom", run.headline()
-        print([e.line() for e in run.plan.entries])
-        first = run.plan.entries[0]
-        assert first.kind == "split_rows" and first.verdict == "fits"
-        new = session_for(shell).retry(run, first.fixes[0])
-        print(new.headline())
-        assert new.outcome == "ok" and shell.user_ns["feats_gpu"].shape == (16384, 256)
+        first_entry_fits(shell, cell, source, "split_rows")
+        assert shell.user_ns["feats_gpu"].shape == (16384, 256)

@@ -99,13 +99,8 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
                     recorder.check(planned)
             # Weights a setup cell built, or a checkpoint loader mapped from its file without an op, are
             # on the card once the cell computes with them.
-            weights = [
-                a.untyped_storage()
-                for a in args
-                if type(a) is Parameter
-                and a.device.type == "cpu"
-                and a.untyped_storage()._cdata not in LEDGER.live
-            ]
+            weights = [a.untyped_storage() for a in args if type(a) is Parameter and a.device.type == "cpu"]
+            weights = [st for st in weights if st._cdata not in LEDGER.live]
             if weights:
                 if recorder.limit is not None:
                     recorder.check(sum(st.nbytes() for st in weights))

@@ -62,9 +62,10 @@ class TraceEvents(Sequence):
 
         if lines is not None or self.lines is not None:
             self.lines = [*(self.lines or repeat(None, len(self))), *(lines or repeat(None, len(clocks)))]
-        self.clocks = np.concatenate([self.clocks, clocks]) if len(self) else clocks
-        self.addrs = np.concatenate([self.addrs, addrs]) if len(self.addrs) else addrs
-        self.sizes = np.concatenate([self.sizes, sizes]) if len(self.sizes) else sizes
+        self.clocks, self.addrs, self.sizes = (
+            np.concatenate([old, new])
+            for old, new in ((self.clocks, clocks), (self.addrs, addrs), (self.sizes, sizes))
+        )
 
     def __len__(self) -> int:
         return len(self.clocks)
@@ -306,26 +307,6 @@ class TraceColumns:
         plain = [e for i, e in enumerate(entries) if i not in whole]
         rest = tuple(k for k in keys if k != "action")
         if rest:
-            try:
-                flat = list(chain.from_iterable(map(itemgetter(*rest), plain)))
-            except KeyError:
-                flat = None
-            if flat is not None:
-                n = len(rest)
-                columns = {k: flat[i::n] for i, k in enumerate(rest)}
-                del flat
-                for i in whole_at:  # a place for each entry kept whole, filled by _build
-                    for col in columns.values():
-                        col.insert(i, _HOLE)
-                columns["action"] = actions
-                return cls._build(keys, codes, columns, whole)
-        return cls._read_each(entries) if uneven else None
-        codes = np.fromiter(map(_CODES.get, actions, repeat(0)), np.int8, m)
-        whole_at = np.flatnonzero((codes == 0) | (codes == _OOM_CODE)).tolist()
-        whole = {i: entries[i] for i in whole_at}
-        plain = [e for i, e in enumerate(entries) if i not in whole] if whole else entries
-        rest = tuple(k for k in keys if k != "action")
-        if rest and sum(map(len, plain)) == len(keys) * len(plain):
             try:
                 flat = list(chain.from_iterable(map(itemgetter(*rest), plain)))
             except KeyError:
