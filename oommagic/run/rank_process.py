@@ -114,8 +114,15 @@ class RankRecorder:
             self._report("ok")
             return False
         if isinstance(exc, Exception):
-            status = "oom" if is_oom(exc) else "error"
             frames = _traceback_frames(tb)
+            if not is_oom(exc):
+                # Another rank failed first and aborted the process group: this rank's collective broke
+                # under it before the watcher saw the report. It was stopped by that failure, not failing.
+                stopped_by = failed_rank(self.directory, self.pid)
+                if stopped_by is not None:
+                    self._report("stopped", exc=exc, stopped_by=stopped_by, frames=frames)
+                    return False
+            status = "oom" if is_oom(exc) else "error"
             if self._report(status, exc=exc, failed_at=failed_at, frames=frames):
                 self._stop_the_others()
                 _abort_process_group()

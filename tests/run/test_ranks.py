@@ -292,6 +292,38 @@ def test_activations_bulk_offers_checkpointing_not_sharding():
     assert [r.kind for r in rank_findings(ranks, "")[0].remedies] == ["checkpointing"]
 
 
+def test_an_error_after_another_rank_failed_is_a_stop_not_a_failure(tmp_path, monkeypatch):
+    """The failing rank aborts the process group: a rank waiting in a collective gets an error from gloo or
+    NCCL, at times before its watcher read the failure. That rank was stopped by the failure; it did not
+    fail on its own (a peer's error counted as a second failure would name the wrong first rank)."""
+    import json
+
+    from oommagic.run import rank_process
+    from oommagic.run.rank_files import write
+
+    monkeypatch.setattr(rank_process, "POLL_S", 60.0)  # the watcher sleeps: the error path decides
+    directory = str(tmp_path)
+    with (
+        pytest.raises(RuntimeError, match="Connection closed by peer"),
+        rank_process.RankRecorder(directory, None, "cpu", 0),
+    ):
+        write(directory, "oom-rank1-pid999999", {"rank": 1, "pid": 999999, "status": "oom"})
+        raise RuntimeError("[gloo] Connection closed by peer")
+    (mine,) = [p for p in tmp_path.iterdir() if p.name.startswith(("stopped-", "error-"))]
+    result = json.loads(mine.read_text())
+    assert mine.name.startswith("stopped-rank0-")
+    assert result["status"] == "stopped" and result["stopped_by"] == 1
+    assert "Connection closed by peer" in result["message"]
+
+    # With no failure before it, the same error is this rank's own.
+    other = tmp_path / "alone"
+    other.mkdir()
+    with pytest.raises(RuntimeError), rank_process.RankRecorder(str(other), None, "cpu", 0):
+        raise RuntimeError("[gloo] Connection closed by peer")
+    (own,) = [p.name for p in other.iterdir() if not p.name.startswith("pid-")]
+    assert own.startswith("error-rank0-")
+
+
 def test_result_round_trips_through_json():
     r = rank(1, "oom", requested=5, failed_at=2.0, contexts=((0, 7),))
     assert RankResult.from_json(r.to_json()) == r
