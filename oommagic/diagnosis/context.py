@@ -90,6 +90,7 @@ class NamespaceScan:
     helpers: tuple[tuple[str, str], ...] = ()
     settings_batch: BatchGuess | None = None
     call_batch: BatchGuess | None = None
+    rows_batch: BatchGuess | None = None
     frames: tuple[Frame, ...] = ()
     kept: tuple[Kept, ...] = ()
     grad_enabled: bool | None = None
@@ -144,6 +145,7 @@ def scan_namespace(
             or expression_batch(source, namespace)
             or loader_batch(source, namespace, line),
             call_batch=default_batch(source, namespace),
+            rows_batch=_quietly(rows_batch, source, namespace),
             rows_call=_quietly(rows_call, source, namespace, line),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
@@ -437,7 +439,8 @@ def make_context(
         or scan.settings_batch
         or cell.step_batch(source)
         or cell.shape_batch(source, ints)
-        or scan.call_batch,
+        or scan.call_batch
+        or scan.rows_batch,
         models=scan.models,
         optimizers=scan.optimizers,
         other_gpus=other_gpus,
@@ -670,6 +673,46 @@ def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
                 text = path[0] + "".join(f"[{p!r}]" for p in path[1:])
             return BatchGuess(text, value, "expression", path=path)
     return None
+
+
+def rows_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch of a training step on whole tensors of the namespace (``cell.whole_step``): the rows of
+    the first input passed to a call (the model's), with every input of as many rows beside it (the
+    targets), plain tensors only (no parameter, nothing that needs a gradient). Reads tensors' shapes."""
+    import torch
+
+    step = cell.whole_step(source)
+    if step is None:
+        return None
+    tensors = {
+        name: value
+        for name in step.inputs
+        if isinstance(value := namespace.get(name), torch.Tensor)
+        and not isinstance(value, torch.nn.Parameter)
+        and not value.requires_grad
+        and value.dim() >= 1
+    }
+    fed = next((n for func, n in step.fed if n in tensors and _module_at(namespace, func) is not None), None)
+    if fed is None or tensors[fed].shape[0] < 2:
+        return None
+    rows = int(tensors[fed].shape[0])
+    names = tuple(n for n in step.inputs if n in tensors and int(tensors[n].shape[0]) == rows)
+    if step.span(names) is None:
+        return None
+    return BatchGuess("rows", rows, "rows", path=names)
+
+
+def _module_at(namespace: Mapping, dotted: str) -> Any:
+    """The ``torch.nn.Module`` a dotted name of the cell calls (``model``, ``model.encoder``: submodules by
+    attribute, read from ``_modules``), not a loss; None for anything else."""
+    import torch
+
+    first, *path = dotted.split(".")
+    module = namespace.get(first)
+    for attr in path:
+        module = instance_dict(module).get("_modules", {}).get(attr) if module is not None else None
+    losses = torch.nn.modules.loss._Loss
+    return module if isinstance(module, torch.nn.Module) and not isinstance(module, losses) else None
 
 
 def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | None:

@@ -287,8 +287,13 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
     accumulation variable) or the micro-batch loop itself, in the cell or in the notebook function it
     calls (whose new version is put at the top of the cell). Otherwise the title says the effective batch
     changes."""
+    if guess.where == "rows":
+        # Micro-batches as even as the rows allow: the largest is what the memory sees.
+        new = -(-guess.value // -(-guess.value // max(1, new)))
     saving = fig.activations * (guess.value - new) // guess.value if fig.activations else None
     new_source, keeps = batch_source(ctx.source, ctx.helpers, guess, new, acc)
+    if guess.where == "rows":
+        return _micro_batches(ctx, fig, guess, new, new_source, saving)
     if acc > 1 and keeps:
         title = f"Batch {guess.value} → {new}, accumulate {acc} steps"
         effective = new * acc
@@ -356,8 +361,50 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
     )
 
 
+def _micro_batches(
+    ctx: DiagnosisContext,
+    fig: Figures,
+    guess: BatchGuess,
+    new: int,
+    new_source: str | None,
+    saving: int | None,
+) -> Remedy:
+    """A training step on whole tensors (``guess.path``, ``guess.value`` rows) run on micro-batches of at
+    most ``new`` rows: the step and its effective batch stay, only what one forward pass holds shrinks."""
+    parts = -(-guess.value // new)
+    inputs = ", ".join(guess.path)
+    title = f"Each step on {parts} micro-batches of {new} rows ({inputs})"
+    why = (
+        f"The step reads all {guess.value} rows of {inputs} at once, and its activations scale with them. "
+        f"Run on {parts} micro-batches, the backward passes add up the same gradients before the optimizer's "
+        "one step (each micro-batch's loss weighted by its share of the rows), and only one micro-batch's "
+        "activations are held at a time. Batch norm layers, where the model has them, normalize over each "
+        "micro-batch."
+    )
+    code = changed_lines(ctx.source, new_source) if new_source else ""
+    return _made(
+        fig,
+        "batch",
+        title,
+        why,
+        saving,
+        code=code,
+        automatic=new_source is not None,
+        params={
+            "name": guess.name,
+            "old": guess.value,
+            "new": new,
+            "accumulate": parts,
+            "where": "rows",
+            "path": list(guess.path),
+            "keeps_effective": True,
+        },
+        new_source=new_source,
+    )
+
+
 # Where a batch lives in the cell's own text (or a call of it): a rewrite writes the new number there.
-WRITTEN = ("source", "expression", "step", "shape", "call")
+WRITTEN = ("source", "expression", "step", "shape", "call", "rows")
 
 
 def batch_source(
@@ -373,7 +420,7 @@ def batch_source(
     rewritten = rewrite_batch(source, guess, new, acc) if written else source
     if rewritten is None:
         return None, False
-    if acc <= 1:
+    if acc <= 1 or guess.where == "rows":
         return rewritten, True
     if accumulates(source):
         return rewritten, True

@@ -28,6 +28,7 @@ from .source import (
     step_literals,
     target_names,
     tree_of,
+    whole_step,
 )
 
 # TRL's configs subclass TrainingArguments and take the same keywords.
@@ -43,6 +44,9 @@ def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: in
     if tree is None:
         return None
     src = SourceText(source)
+    if guess.where == "rows":
+        # A step on whole tensors: it runs on micro-batches of their rows, the accumulation built in.
+        return micro_batch_source(source, guess.path, guess.value, new_value)
     if guess.where == "call":
         # `train(enc)` → `train(enc, bs=64)`; a method of the same name (`model.train()`) stays.
         func, keyword = guess.path
@@ -573,6 +577,77 @@ def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str 
     if not edits:
         return None
     return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))
+
+
+def micro_batch_source(source: str, names: tuple[str, ...], rows: int, most: int) -> str | None:
+    """The cell with its training step on whole tensors (``whole_step``) run on micro-batches of at most
+    ``most`` of their ``rows``: the statements from the forward pass to the backward pass loop over
+    ``zip(X.tensor_split(k), y.tensor_split(k))`` with ``names`` read through their micro-batch, each
+    micro-batch's loss weighted by its share of the rows (its mean over all of them, as before), the
+    gradients summed by the backward passes; ``zero_grad()`` before the micro-batches and the optimizer's
+    ``step()`` after them run once per step, as before. Lines after the backward pass that read both what
+    the step computed and an input read the last micro-batch of that input. None where the cell has no
+    such step."""
+    step = whole_step(source)
+    if step is None or not names or not set(names) <= set(step.inputs) or most >= rows:
+        return None
+    found = step.span(names)
+    if found is None:
+        return None
+    first, before, after = found
+    parts = -(-rows // max(1, most))
+    src = SourceText(source)
+    span = step.block[first : step.last + 1]
+    moved = [*before, *after]
+    inner = [stmt for stmt in span if not any(stmt is m for m in moved)]
+    taken = set(re.findall(r"\w+", source))
+    chunk = {}
+    for name in names:
+        new = f"{name}_rows"
+        while new in taken:
+            new += "_"
+        chunk[name] = new
+    edits = [
+        (*src.span(n), chunk[n.id])
+        for stmt in inner
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Name) and n.id in chunk and isinstance(n.ctx, ast.Load)
+    ]
+    computed = {
+        n.id
+        for stmt in inner
+        for n in ast.walk(stmt)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+    for stmt in step.block[step.last + 1 :]:
+        read = [n for n in ast.walk(stmt) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)]
+        if any(n.id in computed for n in read):
+            edits.extend((*src.span(n), chunk[n.id]) for n in read if n.id in chunk)
+    loss = _loss_of(step.backward)
+    text = src.segment(loss)
+    if not re.search(r"""reduction\s*=\s*["']sum["']""", source):
+        first = names[0]
+        text = f"{text} * len({chunk[first]}) / len({first})"
+        edits.append((*src.span(loss), f"({text})" if loss is step.backward.func.value else text))
+    edited = _apply(source, edits).split("\n")
+    indent = src.lines[span[0].lineno - 1][: span[0].col_offset]
+    top, bottom = span[0].lineno - 1, span[-1].end_lineno
+    taken_lines = {i for m in moved for i in range(m.lineno - 1, m.end_lineno)}
+    targets = ", ".join(chunk[n] for n in names)
+    splits = [f"{n}.tensor_split({parts})" for n in names]
+    over = splits[0] if len(names) == 1 else f"zip({', '.join(splits)})"
+    body = [
+        f"    {line}" if line.strip() else line
+        for i, line in enumerate(edited[top:bottom], top)
+        if i not in taken_lines
+    ]
+    region = [
+        *(edited[i] for m in before for i in range(m.lineno - 1, m.end_lineno)),
+        f"{indent}for {targets} in {over}:",
+        *body,
+        *(edited[i] for m in after for i in range(m.lineno - 1, m.end_lineno)),
+    ]
+    return _checked("\n".join([*edited[:top], *region, *edited[bottom:]]))
 
 
 def _calls_on(node: ast.expr, module: str, arg: str) -> bool:

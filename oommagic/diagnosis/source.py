@@ -348,6 +348,168 @@ def _step_slices(loop: ast.AST, index: str, step: int) -> list[ast.expr]:
     return found
 
 
+@dataclass(frozen=True)
+class WholeStep:
+    """A training step of the cell that reads tensors of the namespace whole (``loss_fn(model(X), y)``,
+    then ``loss.backward()``): the place a step on micro-batches of their rows is written.
+
+    ``block`` is the statement list holding the backward pass (the innermost loop's body, or the cell's),
+    ``last`` the index of the statement with it. ``inputs`` are the names read whole up to there (never
+    sliced, called or bound by the cell other than moved: ``X = X.to(device)``), each with the index of
+    the first statement reading it, in source order; ``fed`` the (callee, input) pairs where an input is a
+    call's first argument or its ``input_ids=`` (or another model input's keyword), in source order: the
+    model's input among them."""
+
+    block: tuple[ast.stmt, ...]
+    last: int
+    backward: ast.Call
+    reads: tuple[tuple[str, int], ...]
+    fed: tuple[tuple[str, str], ...]
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.reads)
+
+    def span(self, names: tuple[str, ...]) -> tuple[int, tuple[ast.stmt, ...], tuple[ast.stmt, ...]] | None:
+        """(first, before, after) of the statements a step on micro-batches of ``names`` loops over: from
+        the first that reads one of them to the backward pass; ``before`` and ``after`` the optimizer's
+        ``zero_grad()`` and ``step()`` among them, which stay outside the loop (once per step). None
+        where such a call sits inside a block of those statements (it would run once per micro-batch)."""
+        first = min((i for name, i in self.reads if name in names), default=None)
+        if first is None:
+            return None
+        before, after = [], []
+        for stmt in self.block[first : self.last + 1]:
+            kind = _step_call(stmt)
+            if kind == "zero_grad":
+                before.append(stmt)
+            elif kind == "step":
+                after.append(stmt)
+            elif any(_step_call(ast.Expr(n)) for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+                return None
+        return first, tuple(before), tuple(after)
+
+
+_STEP_CALLS = frozenset({"step", "zero_grad"})
+_MOVES = frozenset({"to", "cuda", "float", "half", "bfloat16", "contiguous", "pin_memory"})
+
+
+def whole_step(source: str) -> WholeStep | None:
+    """The cell's one training step on whole tensors (``WholeStep``), or None: no backward pass, more than
+    one, or one inside a function."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    backs = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+    ]
+    if len(backs) != 1:
+        return None
+    (back,) = backs
+    block: list[ast.stmt] = tree.body
+    while True:
+        holder = next(s for s in block if _holds(s, back))
+        if isinstance(holder, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return None
+        inner = _loop_holding(holder, back)
+        if inner is None:
+            break
+        block = inner.body
+    last = next(i for i, s in enumerate(block) if _holds(s, back))
+    bound = _bound_other_than_moved(tree)
+    fed: list[tuple[int, int, str, str]] = []
+    sliced: set[str] = set()
+    called: set[str] = set()
+    firsts: dict[str, int] = {}
+    for i, stmt in enumerate(block[: last + 1]):
+        if _step_call(stmt):
+            continue  # what an optimizer's zero_grad() or step() reads is no input of the step
+        for node in ast.walk(stmt):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
+                sliced.add(node.value.id)
+            elif isinstance(node, ast.Call):
+                if isinstance(node.func, ast.Name):
+                    called.add(node.func.id)
+                given = node.args[:1] + [k.value for k in node.keywords if k.arg in _INPUTS]
+                fed.extend(
+                    (a.lineno, a.col_offset, dotted_name(node.func), a.id)
+                    for a in given
+                    if isinstance(a, ast.Name)
+                )
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+                firsts.setdefault(node.id, i)
+    reads = tuple((n, i) for n, i in firsts.items() if n not in sliced and n not in called)
+    if not reads:
+        return None
+    inputs = {n for n, _ in reads}
+    feeds = tuple((func, name) for _, _, func, name in sorted(fed) if name in inputs and func)
+    return WholeStep(tuple(block), last, back, reads, feeds)
+
+
+def _holds(stmt: ast.AST, node: ast.AST) -> bool:
+    return any(n is node for n in ast.walk(stmt))
+
+
+def _loop_holding(stmt: ast.stmt, node: ast.AST) -> ast.For | ast.While | None:
+    """The outermost loop within ``stmt`` (``stmt`` itself included, through ``if``/``with``/``try``
+    blocks) whose body holds ``node``."""
+    if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
+        return stmt if any(_holds(s, node) for s in stmt.body) else None
+    if isinstance(stmt, (ast.If, ast.With, ast.AsyncWith, ast.Try)):
+        for inner in (stmt.body, getattr(stmt, "orelse", []), getattr(stmt, "finalbody", [])):
+            for s in inner:
+                if _holds(s, node):
+                    return _loop_holding(s, node)
+    return None
+
+
+def _step_call(stmt: ast.stmt) -> str | None:
+    """``"zero_grad"`` or ``"step"`` for a statement that is an optimizer's (or a scheduler's or a
+    GradScaler's) call of it; ``scaler.update()`` counts as a step."""
+    call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
+    if call is None or not isinstance(call.func, ast.Attribute):
+        return None
+    name = call.func.attr
+    if name in _STEP_CALLS:
+        return name
+    owner = dotted_name(call.func.value).rsplit(".", 1)[-1].lower()
+    return "step" if name == "update" and owner.endswith("scaler") else None
+
+
+def _bound_other_than_moved(tree: ast.Module) -> set[str]:
+    """Names the cell binds, less those it only rebinds to themselves moved or cast (``X = X.to(dev)``,
+    ``X, y = X.cuda(), y.cuda()``): their rows are the rows they had."""
+    moves: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs = list(zip(target.elts, node.value.elts, strict=False))
+                else:
+                    pairs = [(target, node.value)]
+                moves.update(id(t) for t, v in pairs if isinstance(t, ast.Name) and _moved(v, t.id))
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load) and id(node) not in moves:
+            bound.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return bound
+
+
+def _moved(value: ast.expr, name: str) -> bool:
+    """Whether ``value`` is ``name`` through calls that keep its rows (``name.to(device).float()``)."""
+    while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES:
+        value = value.func.value
+    return isinstance(value, ast.Name) and value.id == name
+
+
 def step_literals(source: str, step: int) -> list[ast.expr]:
     """Every literal of the batch ``step_batch`` found: the ``range`` step, the slices' ends and the first
     dimension of the data the loop makes beside them (a GAN's ``torch.randn(1024, 128)`` noise and

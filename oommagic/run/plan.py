@@ -271,6 +271,10 @@ class _Measure:
             bounds = Bounds(
                 steps=1 if self.training and not self.keeps else None, seconds=self.left(), limit=room
             )
+            if guess.where == "rows":
+                # A step on micro-batches: the second one holds the first one's gradients beside its own
+                # activations, the peak of every later one; the whole step is checked once, below.
+                bounds = replace(bounds, steps=None, backwards=2)
             self.session.progress(
                 f"  trial {self.trials + 1}: {' + '.join(r.title for r in base)}"
                 f"{' + ' if base else ''}{guess.name}={b} (probe) …"

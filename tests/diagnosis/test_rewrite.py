@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import ast
 
+import pytest
+
 from oommagic.diagnosis.rewrite import (
     accumulates,
     changed_lines,
     keep_numbers_source,
+    micro_batch_source,
     rewrite_batch,
     set_call_keyword,
     split_rows_source,
@@ -20,6 +23,7 @@ from oommagic.diagnosis.source import (
     names_read,
     products_at,
     tokenizer_calls,
+    whole_step,
 )
 
 TRAINER_CELL = """\
@@ -441,3 +445,82 @@ def test_a_product_on_the_failing_line_is_read_from_the_cell():
     )
     assert [products_at(cell, n) for n in range(1, 8)] == [True, True, False, True, False, False, False]
     assert not products_at("x = (", 1) and not products_at(cell, None)
+
+
+FULL_BATCH = """\
+X, y = X.to(device), y.to(device)
+for epoch in range(100):
+    pred = model(X)
+    loss = loss_fn(pred, y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    if epoch % 10 == 0:
+        print(epoch, loss.item(), (pred.argmax(1) == y).float().mean().item())
+"""
+
+
+def test_a_training_step_on_whole_tensors_is_found_with_its_inputs_and_optimizer_calls():
+    step = whole_step(FULL_BATCH)
+    assert step is not None
+    # `X` and `y` are rebound only to themselves moved; `model` and `loss_fn` are called, not read whole.
+    assert step.inputs == ("X", "y") and step.fed == (("model", "X"),)
+    first, before, after = step.span(("X", "y"))
+    assert [ast.unparse(s) for s in step.block[first : step.last + 1]] == [
+        "pred = model(X)",
+        "loss = loss_fn(pred, y)",
+        "optimizer.zero_grad()",
+        "loss.backward()",
+    ]
+    assert [ast.unparse(s) for s in before] == ["optimizer.zero_grad()"] and after == ()
+
+
+def test_a_step_on_whole_tensors_runs_on_micro_batches_with_one_optimizer_step():
+    new = micro_batch_source(FULL_BATCH, ("X", "y"), 1000, 300)
+    assert (
+        new
+        == """\
+X, y = X.to(device), y.to(device)
+for epoch in range(100):
+    optimizer.zero_grad()
+    for X_rows, y_rows in zip(X.tensor_split(4), y.tensor_split(4)):
+        pred = model(X_rows)
+        loss = loss_fn(pred, y_rows)
+        (loss * len(X_rows) / len(X)).backward()
+    optimizer.step()
+    if epoch % 10 == 0:
+        print(epoch, loss.item(), (pred.argmax(1) == y_rows).float().mean().item())
+"""
+    )
+    # What comes before the first statement that reads the inputs stays outside the micro-batches.
+    scale = "    scale = torch.tensor(0.9) ** epoch\n"
+    scaled = FULL_BATCH.replace("    pred = model(X)", f"{scale}    pred = model(X)")
+    new = micro_batch_source(scaled, ("X", "y"), 1000, 300)
+    assert "    scale = torch.tensor(0.9) ** epoch\n    optimizer.zero_grad()\n    for X_rows" in new, new
+    # A summed loss is not weighted (its micro-batches' sums add up to it); a name taken stays taken.
+    summed = FULL_BATCH.replace("loss_fn(pred, y)", 'loss_fn(pred, y, reduction="sum")')
+    new = micro_batch_source(summed.replace("print(epoch, ", "X_rows = 0; print("), ("X",), 1000, 500)
+    assert "for X_rows_ in X.tensor_split(2):" in new and "        loss.backward()" in new
+    assert "model(X_rows_)" in new and "loss_fn(pred, y, reduction" in new
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        # sliced: a loop over batches already, its batch is found elsewhere
+        "for i in range(0, len(X), 64):\n    loss_fn(model(X[i:i + 64]), y[i:i + 64]).backward()",
+        # the backward pass inside a function of the cell
+        "def step():\n    loss_fn(model(X), y).backward()\nstep()",
+        # two backward passes
+        "loss_fn(model(X), y).backward()\nloss_fn(model(X), y).backward()",
+        # an optimizer step inside a block of the step would run once per micro-batch
+        "for e in range(3):\n    loss = loss_fn(model(X), y)\n    if e:\n        opt.step()\n"
+        "    loss.backward()",
+        # the input made by the cell itself
+        "X = torch.randn(64, 8)\nloss_fn(model(X), y).backward()",
+    ],
+    ids=["sliced", "in-function", "two-backward", "nested-step", "made-in-cell"],
+)
+def test_no_micro_batches_are_written_where_the_step_is_not_on_whole_tensors_of_the_namespace(cell):
+    new = micro_batch_source(cell, ("X", "y"), 64, 16)
+    assert new is None, new

@@ -5,6 +5,8 @@ report widget's first fix is the one that matters, and clicking it gives a run t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -731,3 +733,46 @@ def test_features_of_a_transformers_encoder_on_a_whole_tensor_run_on_chunks_of_r
         "torch.cat([enc(input_ids=rows).last_hidden_state.mean(dim=1) for rows in ids.split(" in fitted.source
     )
     assert fitted.outcome == "ok" and torch.allclose(shell.user_ns["feats"][:8], expected, atol=1e-5)
+
+
+FULL_BATCH_SETUP = """%%gpumem --quiet
+import copy
+torch.manual_seed(0)
+X_all = torch.randn(8192, 512)
+y_all = torch.randint(0, 10, (8192,))
+net = torch.nn.Sequential(
+    torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+    torch.nn.Linear(1024, 10))
+"""
+FULL_BATCH_CELL = """\
+opt = torch.optim.SGD(net.parameters(), lr=0.1)
+for epoch in range(2):
+    pred = net(X_all)
+    loss = torch.nn.functional.cross_entropy(pred, y_all)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    accuracy = (pred.argmax(1) == y_all).float().mean().item()
+"""
+
+
+def test_a_step_on_a_whole_dataset_runs_on_micro_batches_and_makes_the_same_update(shell, run_cell):
+    # Full-batch training: 8,192 rows through two 1024-wide layers hold about 130 MiB of activations
+    # beside 10 MiB of weights and 10 MiB of gradients. The step on micro-batches adds up the same
+    # gradients for the one optimizer step.
+    run_cell(FULL_BATCH_SETUP)
+    reference = copy.deepcopy(shell.user_ns["net"])
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = torch.nn.functional.cross_entropy(reference(shell.user_ns["X_all"]), shell.user_ns["y_all"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    failed, fix, fitted = first_click(70, FULL_BATCH_CELL, shell, run_cell)
+    assert failed.context.batch == BatchGuess("rows", 8192, "rows", path=("X_all", "y_all"))
+    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "for X_all_rows, y_all_rows in zip(X_all.tensor_split(" in fitted.source, fitted.source
+    assert fitted.source.count("opt.step()") == 1 and "(pred.argmax(1) == y_all_rows)" in fitted.source
+    for got, want in zip(shell.user_ns["net"].parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
