@@ -359,6 +359,7 @@ class Figures:
     activations: int | None = None
     training: bool = False
     state: int = 0  # weights, and in training gradients and optimizer state (``ModelInfo.state_bytes``)
+    unused: int = 0  # reserved but unallocated at the failure: room a different pattern of blocks can use
 
     @property
     def available(self) -> int | None:
@@ -416,4 +417,9 @@ def figures(report: OOMReport | None, ctx: DiagnosisContext) -> Figures:
     # larger of the two is a floor for what stays whatever the batch.
     fixed = max(ctx.before_allocated, state)
     activations = demand - fixed if demand is not None and demand > fixed else None
-    return Figures(budget, req, demand, shortfall, fixed, activations, ctx.training, state)
+    unused = 0
+    if report is not None and report.reserved_unallocated is not None:
+        unused = report.reserved_unallocated
+    elif report is not None and report.reserved is not None and report.allocated is not None:
+        unused = max(0, report.reserved - report.allocated)
+    return Figures(budget, req, demand, shortfall, fixed, activations, ctx.training, state, unused)

@@ -475,7 +475,7 @@ def _split_evidence(ctx: DiagnosisContext, fig: Figures) -> str:
         return line + f", no more than the {fmt(fig.fixed)} that does not grow with the batch."
     what = ["memory held before the cell"] if ctx.before_allocated else []
     if ctx.models:
-        what.append("weights, gradients and Adam moments" if fig.training else "weights")
+        what.append("weights, gradients and optimizer state" if fig.training else "weights")
     line += f": {fmt(fig.fixed)} that does not grow with the batch"
     line += f" ({', '.join(what)})" if what else ""
     line += f", about {fmt(fig.activations)} that does"
@@ -561,7 +561,9 @@ def smaller_batch(old: int, fig: Figures, training: bool) -> tuple[int, int] | N
     target = old // 2
     if fig.activations and fig.available is not None:
         per_sample = fig.activations / old
-        room = fig.available * (1 - MARGIN) - fig.fixed
+        # The failed request lacked room beside blocks reserved but unallocated (scattered): smaller
+        # blocks of a smaller batch can use them.
+        room = (fig.available + fig.unused) * (1 - MARGIN) - fig.fixed
         if room < per_sample:
             return None
         target = min(target, int(room // per_sample))

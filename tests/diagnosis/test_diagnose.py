@@ -351,6 +351,21 @@ def test_smaller_batch_follows_the_figures_when_half_is_not_enough():
     assert batch.params["new"] == 16 and batch.params["accumulate"] == 4
 
 
+def test_a_smaller_batch_counts_the_reserve_left_unallocated_by_scattered_blocks():
+    # 12 GiB requested beside 12.6 GiB held from before the cell, 23.6 GiB reserved of 24: the request
+    # lacked 11.6 GiB, but 11 GiB of the reserve was free in scattered blocks, which a smaller batch's
+    # smaller blocks can use.
+    figures = dict(requested=12 * GiB, capacity=CARD_24, free=int(0.4 * GiB), allocated=int(12.6 * GiB))
+    report = _report(**figures, reserved=int(23.6 * GiB), reserved_unallocated=11 * GiB)
+    ctx = training_ctx(before_allocated=int(12.6 * GiB))
+    batch = remedy(finding(diagnose(report, ctx), "activations"), "batch")
+    assert (batch.params["new"], batch.params["accumulate"]) == (32, 2), batch.params
+    # Read as if the reserve were all in use, the same failure leaves no room for any batch.
+    packed = _report(**figures, reserved=int(23.6 * GiB), reserved_unallocated=0)
+    act = finding(diagnose(packed, ctx), "activations")
+    assert "batch" not in [r.kind for r in act.remedies] and "cannot fit" in act.evidence, act.evidence
+
+
 def test_autocast_and_checkpointing_estimated_from_the_measurements():
     act = finding(diagnose(plain_24(), training_ctx()), "activations")
     auto = remedy(act, "autocast")

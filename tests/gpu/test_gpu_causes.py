@@ -47,6 +47,8 @@ def first_entry_fits(shell, cell, source: str, kind: str):
     run = last_run()
     assert run.outcome == "oom", run.headline()
     print([e.line() for e in run.plan.entries])
+    for finding in run.findings:
+        print(f"{finding.key}: {finding.evidence} {[r.kind for r in finding.remedies]}")
     first = run.plan.entries[0]
     assert first.kind == kind and first.verdict == "fits"
     new = session_for(shell).retry(run, first.fixes[0])
@@ -233,3 +235,50 @@ def test_features_of_a_transformers_encoder_on_cuda_run_on_chunks_of_rows_and_fi
         )
         first_entry_fits(shell, cell, source, "split_rows")
         assert shell.user_ns["feats_gpu"].shape == (16384, 256)
+
+
+def test_full_batch_training_on_cuda_runs_each_step_on_micro_batches_and_makes_the_same_update(shell, cell):
+    # 65,536 rows through two 4096-wide layers in one step: 1 GiB per layer output, about 4 GiB of
+    # activations beside 80 MiB of weights, over a 2 GiB limit.
+    cell(
+        "torch.manual_seed(0)\n"
+        "net_gpu = torch.nn.Sequential(\n"
+        "    torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096), torch.nn.ReLU(),\n"
+        "    torch.nn.Linear(4096, 10)).cuda()\n"
+        "X_all_gpu = torch.randn(65536, 1024, device='cuda')\n"
+        "y_all_gpu = torch.randint(0, 10, (65536,), device='cuda')\n"
+    )
+    import copy
+
+    names = ("net_gpu", "X_all_gpu", "y_all_gpu", "opt_gpu", "pred", "loss")
+    with dropped_after(shell, *names):
+        reference = copy.deepcopy(shell.user_ns["net_gpu"])
+        opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = torch.nn.functional.cross_entropy(
+                reference(shell.user_ns["X_all_gpu"]), shell.user_ns["y_all_gpu"]
+            )
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        del loss, opt
+        torch.cuda.empty_cache()
+        source = (
+            "%%gpumem --limit 2GiB --quiet\n"
+            "opt_gpu = torch.optim.SGD(net_gpu.parameters(), lr=0.1)\n"
+            "for epoch in range(2):\n"
+            "    pred = net_gpu(X_all_gpu)\n"
+            "    loss = torch.nn.functional.cross_entropy(pred, y_all_gpu)\n"
+            "    opt_gpu.zero_grad()\n"
+            "    loss.backward()\n"
+            "    opt_gpu.step()\n"
+        )
+        _, new = first_entry_fits(shell, cell, source, "batch")
+        assert "X_all_gpu.tensor_split(" in new.source and new.peak_reserved <= 2 * GiB
+        worst = max(
+            (got - want).abs().max().item()
+            for got, want in zip(shell.user_ns["net_gpu"].parameters(), reference.parameters(), strict=True)
+        )
+        print(f"largest difference from the full-batch steps: {worst:.3g}")
+        for got, want in zip(shell.user_ns["net_gpu"].parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-5)
