@@ -378,7 +378,8 @@ def _micro_batches(
         f"The step reads all {guess.value} rows of {inputs} at once, and its activations scale with them. "
         f"Run on {parts} micro-batches, the backward passes add up the same gradients before the optimizer's "
         "one step (each micro-batch's loss weighted by its share of the rows), and only one micro-batch's "
-        "activations are held at a time. Batch norm layers, where the model has them, normalize over each "
+        "activations are held at a time. After the loop, what the step computed (the loss, the outputs) is "
+        "the last micro-batch's; batch norm layers, where the model has them, normalize over each "
         "micro-batch."
     )
     code = changed_lines(ctx.source, new_source) if new_source else ""
