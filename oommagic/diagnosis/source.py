@@ -432,7 +432,9 @@ def whole_step(source: str) -> WholeStep | None:
             elif isinstance(node, ast.Call):
                 if isinstance(node.func, ast.Name):
                     called.add(node.func.id)
-                given = node.args[:1] + [k.value for k in node.keywords if k.arg in _INPUTS]
+                moves = isinstance(node.func, ast.Attribute) and node.func.attr in _MOVES
+                given = [] if moves else node.args[:1] + [k.value for k in node.keywords if k.arg in _INPUTS]
+                given = [_unmoved(a) for a in given]
                 fed.extend(
                     (a.lineno, a.col_offset, dotted_name(node.func), a.id)
                     for a in given
@@ -505,9 +507,15 @@ def _bound_other_than_moved(tree: ast.Module) -> set[str]:
 
 def _moved(value: ast.expr, name: str) -> bool:
     """Whether ``value`` is ``name`` through calls that keep its rows (``name.to(device).float()``)."""
+    value = _unmoved(value)
+    return isinstance(value, ast.Name) and value.id == name
+
+
+def _unmoved(value: ast.expr) -> ast.expr:
+    """``value`` without the calls that keep its rows around it: ``X`` of ``X.to(device).float()``."""
     while isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in _MOVES:
         value = value.func.value
-    return isinstance(value, ast.Name) and value.id == name
+    return value
 
 
 def step_literals(source: str, step: int) -> list[ast.expr]:

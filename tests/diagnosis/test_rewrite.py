@@ -497,6 +497,12 @@ for epoch in range(100):
     scaled = FULL_BATCH.replace("    pred = model(X)", f"{scale}    pred = model(X)")
     new = micro_batch_source(scaled, ("X", "y"), 1000, 300)
     assert "    scale = torch.tensor(0.9) ** epoch\n    optimizer.zero_grad()\n    for X_rows" in new, new
+    # Inputs kept on the host and moved in the step are read whole all the same.
+    moved = FULL_BATCH.replace("X, y = X.to(device), y.to(device)\n", "").replace(
+        "model(X)", "model(X.to(device))"
+    )
+    assert whole_step(moved).fed == (("model", "X"),)
+    assert "        pred = model(X_rows.to(device))\n" in micro_batch_source(moved, ("X", "y"), 1000, 300)
     # A summed loss is not weighted (its micro-batches' sums add up to it); a name taken stays taken.
     summed = FULL_BATCH.replace("loss_fn(pred, y)", 'loss_fn(pred, y, reduction="sum")')
     new = micro_batch_source(summed.replace("print(epoch, ", "X_rows = 0; print("), ("X",), 1000, 500)
