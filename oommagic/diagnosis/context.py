@@ -687,12 +687,15 @@ def rows_batch(source: str, namespace: Mapping) -> BatchGuess | None:
     tensors = {
         name: value
         for name in step.inputs
-        if isinstance(value := namespace.get(name), torch.Tensor)
+        if isinstance(value := namespace.get(step.outside(name)), torch.Tensor)
         and not isinstance(value, torch.nn.Parameter)
         and not value.requires_grad
         and value.dim() >= 1
     }
-    fed = next((n for func, n in step.fed if n in tensors and _module_at(namespace, func) is not None), None)
+    fed = next(
+        (n for func, n in step.fed if n in tensors and _module_at(namespace, step.outside(func)) is not None),
+        None,
+    )
     if fed is None or tensors[fed].shape[0] < 2:
         return None
     rows = int(tensors[fed].shape[0])

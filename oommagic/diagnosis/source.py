@@ -358,13 +358,24 @@ class WholeStep:
     sliced, called or bound by the cell other than moved: ``X = X.to(device)``), each with the index of
     the first statement reading it, in source order; ``fed`` the (callee, input) pairs where an input is a
     call's first argument or its ``input_ids=`` (or another model input's keyword), in source order: the
-    model's input among them."""
+    model's input among them. Where the step is in a function the cell defines and calls once (``def
+    train(model, X, y): ...`` and ``train(net, X_tr, y_tr)``), ``function`` names it, the inputs are its
+    parameters and ``arguments`` maps each parameter to the name the call passes for it."""
 
     block: tuple[ast.stmt, ...]
     last: int
     backward: ast.Call
     reads: tuple[tuple[str, int], ...]
     fed: tuple[tuple[str, str], ...]
+    function: str = ""
+    arguments: tuple[tuple[str, str], ...] = ()
+
+    def outside(self, name: str) -> str:
+        """The name of the cell's namespace an input or a callee stands for: for a training function of the
+        cell, the name its call passes for that parameter (``X_train`` for ``X`` of ``train(net, X_train,
+        y_train)``); the name itself otherwise."""
+        first, dot, rest = name.partition(".")
+        return dict(self.arguments).get(first, first) + dot + rest
 
     @property
     def inputs(self) -> tuple[str, ...]:
@@ -409,8 +420,13 @@ def whole_step(source: str) -> WholeStep | None:
         return None
     (back,) = backs
     block: list[ast.stmt] = tree.body
+    function: ast.FunctionDef | None = None
     while True:
         holder = next(s for s in block if _holds(s, back))
+        if isinstance(holder, ast.FunctionDef) and block is tree.body and _called_once(tree, holder.name):
+            # A training function the cell defines and calls: its parameters are the step's inputs.
+            function, block = holder, holder.body
+            continue
         if isinstance(holder, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             return None
         inner = _loop_holding(holder, back)
@@ -418,11 +434,11 @@ def whole_step(source: str) -> WholeStep | None:
             break
         block = inner.body
     last = next(i for i, s in enumerate(block) if _holds(s, back))
-    bound = _bound_other_than_moved(tree)
+    bound = _bound_other_than_moved(tree, function)
     fed: list[tuple[int, int, str, str]] = []
     sliced: set[str] = set()
     called: set[str] = set()
-    firsts: dict[str, int] = {}
+    firsts: dict[str, tuple[int, int, int]] = {}
     for i, stmt in enumerate(block[: last + 1]):
         if _step_call(stmt):
             continue  # what an optimizer's zero_grad() or step() reads is no input of the step
@@ -441,13 +457,49 @@ def whole_step(source: str) -> WholeStep | None:
                     if isinstance(a, ast.Name)
                 )
             elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
-                firsts.setdefault(node.id, i)
-    reads = tuple((n, i) for n, i in firsts.items() if n not in sliced and n not in called)
+                at = (i, node.lineno, node.col_offset)
+                firsts[node.id] = min(firsts.get(node.id, at), at)
+    # In the order the source reads them (a walk visits an outer call's arguments before inner ones).
+    order = sorted(firsts, key=firsts.__getitem__)
+    reads = tuple((n, firsts[n][0]) for n in order if n not in sliced and n not in called)
     if not reads:
         return None
     inputs = {n for n, _ in reads}
     feeds = tuple((func, name) for _, _, func, name in sorted(fed) if name in inputs and func)
+    if function is not None:
+        params = [a.arg for a in function.args.posonlyargs + function.args.args + function.args.kwonlyargs]
+        reads = tuple((n, i) for n, i in reads if n in params)
+        call = _call_of(tree, function.name)
+        args = dict(zip(params, call.args, strict=False))
+        args.update((k.arg, k.value) for k in call.keywords if k.arg)
+        given = {p: _unmoved(v).id for p, v in args.items() if isinstance(_unmoved(v), ast.Name)}
+        if not reads:
+            return None
+        return WholeStep(tuple(block), last, back, reads, feeds, function.name, tuple(given.items()))
     return WholeStep(tuple(block), last, back, reads, feeds)
+
+
+def _called_once(tree: ast.Module, name: str) -> bool:
+    """Whether the cell calls ``name`` once, at its top level (``train(model, X, y)``), with no ``*``."""
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+    ]
+    return (
+        len(calls) == 1
+        and any(_holds(s, calls[0]) and not isinstance(s, ast.FunctionDef) for s in tree.body)
+        and not any(isinstance(a, ast.Starred) for a in calls[0].args)
+        and all(k.arg for k in calls[0].keywords)
+    )
+
+
+def _call_of(tree: ast.Module, name: str) -> ast.Call:
+    return next(
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
+    )
 
 
 def _holds(stmt: ast.AST, node: ast.AST) -> bool:
@@ -480,9 +532,10 @@ def _step_call(stmt: ast.stmt) -> str | None:
     return "step" if name == "update" and owner.endswith("scaler") else None
 
 
-def _bound_other_than_moved(tree: ast.Module) -> set[str]:
+def _bound_other_than_moved(tree: ast.Module, function: ast.FunctionDef | None = None) -> set[str]:
     """Names the cell binds, less those it only rebinds to themselves moved or cast (``X = X.to(dev)``,
-    ``X, y = X.cuda(), y.cuda()``): their rows are the rows they had."""
+    ``X, y = X.cuda(), y.cuda()``): their rows are the rows they had; less the parameters of
+    ``function``, which it binds to the call's arguments."""
     moves: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign):
@@ -498,7 +551,7 @@ def _bound_other_than_moved(tree: ast.Module) -> set[str]:
             bound.add(node.id)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             bound.add(node.name)
-        elif isinstance(node, ast.arg):
+        elif isinstance(node, ast.arg) and not (function is not None and _holds(function.args, node)):
             bound.add(node.arg)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             bound.update((a.asname or a.name).split(".")[0] for a in node.names)

@@ -510,6 +510,44 @@ for epoch in range(100):
     assert "model(X_rows_)" in new and "loss_fn(pred, y, reduction" in new
 
 
+TRAIN_FUNCTION = """\
+def train(model, X, y, epochs=20):
+    opt = torch.optim.Adam(model.parameters())
+    for epoch in range(epochs):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(X), y)
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+final = train(net, X_train.to(device), y=y_train)
+"""
+
+
+def test_a_training_function_the_cell_defines_and_calls_gets_micro_batches_of_its_parameters():
+    step = whole_step(TRAIN_FUNCTION)
+    assert step.function == "train" and step.inputs == ("X", "y") and step.fed == (("model", "X"),)
+    assert [step.outside(n) for n in ("model", "X", "y", "F.cross_entropy")] == [
+        "net",
+        "X_train",
+        "y_train",
+        "F.cross_entropy",
+    ]
+    new = micro_batch_source(TRAIN_FUNCTION, ("X", "y"), 1000, 500)
+    assert (
+        """\
+        opt.zero_grad()
+        for X_rows, y_rows in zip(X.tensor_split(2), y.tensor_split(2)):
+            loss = F.cross_entropy(model(X_rows), y_rows)
+            (loss * len(X_rows) / len(X)).backward()
+        opt.step()
+"""
+        in new
+    ), new
+    # Called twice, with other data each time: no one set of rows.
+    assert whole_step(TRAIN_FUNCTION + "train(net, X_val, y_val)\n") is None
+
+
 @pytest.mark.parametrize(
     "cell",
     [

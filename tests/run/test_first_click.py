@@ -776,3 +776,26 @@ def test_a_step_on_a_whole_dataset_runs_on_micro_batches_and_makes_the_same_upda
     assert fitted.source.count("opt.step()") == 1 and "(pred.argmax(1) == y_all_rows)" in fitted.source
     for got, want in zip(shell.user_ns["net"].parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+FULL_BATCH_FUNCTION = """\
+def fit(model, X, y, epochs=2, lr=0.1):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for epoch in range(epochs):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(X), y)
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+last_loss = fit(net, X_all, y_all)
+"""
+
+
+def test_a_full_batch_training_function_defined_in_the_cell_gets_micro_batches_and_fits(shell, run_cell):
+    run_cell(FULL_BATCH_SETUP)
+    failed, fix, fitted = first_click(70, FULL_BATCH_FUNCTION, shell, run_cell)
+    assert failed.context.batch == BatchGuess("rows", 8192, "rows", path=("X", "y"))
+    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok" and "for X_rows, y_rows in zip(X.tensor_split(" in fitted.source
+    assert isinstance(shell.user_ns["last_loss"], float)
