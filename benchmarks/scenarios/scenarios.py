@@ -854,6 +854,44 @@ preds.bincount(minlength=10)"""),
     expect="the rows in chunks",
 )
 
+# 23. Full-batch training: every step on the whole training set at once ----------------------------------
+FULL_BATCH = """
+opt_fb = torch.optim.SGD(net_fb.parameters(), lr=0.01, momentum=0.9)
+for epoch in range(S["epochs"]):
+    pred = net_fb(X_train)
+    loss = F.cross_entropy(pred, y_train)
+    opt_fb.zero_grad()
+    loss.backward()
+    opt_fb.step()
+    print(epoch, round(loss.item(), 4))"""
+add(
+    "full_batch_training",
+    "an MLP trained on its whole training set at once (full batch), as small-data tutorials do",
+    [
+        """net_fb = nn.Sequential(nn.Linear(S["dim"], S["wide"]), nn.ReLU(), nn.Linear(S["wide"], S["wide"]),
+                       nn.ReLU(), nn.Linear(S["wide"], 10)).to(device)
+X_train = torch.randn(S["rows"], S["dim"], device=device)
+y_train = torch.randint(0, 10, (S["rows"],), device=device)""",
+        # Two steps on an eighth of the rows (lr 0: the weights stay): the card is sized to twice it.
+        probe(
+            "p_fb",
+            """opt_p = torch.optim.SGD(net_fb.parameters(), lr=0.0, momentum=0.9)
+for _ in range(2):
+    loss = F.cross_entropy(net_fb(X_train[:S["rows"] // 8]), y_train[:S["rows"] // 8])
+    opt_p.zero_grad()
+    loss.backward()
+    opt_p.step()
+del opt_p, loss
+net_fb.zero_grad(set_to_none=True)""",
+        ),
+        "LIMIT = mib(p_fb.before_allocated + 2 * (p_fb.peak_reserved - p_fb.before_allocated))\nLIMIT",
+        oom(FULL_BATCH),
+    ],
+    cpu=dict(dim=128, wide=2048, rows=8192, epochs=3),
+    gpu=dict(dim=1024, wide=8192, rows=65536, epochs=3),
+    expect="each step on micro-batches of the rows, the gradients accumulated",
+)
+
 # The author's fix for each fittable scenario: run by the runner under the same LIMIT when the clicks did
 # not reach a fit, to tell "the product missed a fit" from "the scenario has none".
 CONTROLS = {
@@ -921,6 +959,16 @@ for step in range(S["steps"]):
     "whole_tensor_inference": """
 with torch.no_grad():
     scores = torch.cat([scorer(rows) for rows in X_test.split(S["rows"] // 8)])""",
+    "full_batch_training": FULL_BATCH.replace(
+        """    pred = net_fb(X_train)
+    loss = F.cross_entropy(pred, y_train)
+    opt_fb.zero_grad()
+    loss.backward()""",
+        """    opt_fb.zero_grad()
+    for xb, yb in zip(X_train.chunk(4), y_train.chunk(4)):
+        loss = F.cross_entropy(net_fb(xb), yb)
+        (loss / 4).backward()""",
+    ),
     "two_fixes_ckpt_batch": "model.gradient_checkpointing_enable()\n" + CK.replace("{B}", "2"),
     "two_fixes_leftover_batch": "token_table = None\n" + LB.replace("{B}", "8"),
     "keeps_logits": """
