@@ -624,11 +624,15 @@ def micro_batch_source(source: str, names: tuple[str, ...], rows: int, most: int
         if any(n.id in computed for n in read):
             edits.extend((*src.span(n), chunk[n.id]) for n in read if n.id in chunk)
     loss = _loss_of(step.backward)
-    text = src.segment(loss)
     if not re.search(r"""reduction\s*=\s*["']sum["']""", source):
-        first = names[0]
-        text = f"{text} * len({chunk[first]}) / len({first})"
-        edits.append((*src.span(loss), f"({text})" if loss is step.backward.func.value else text))
+        text = src.segment(loss)
+        atomic = isinstance(loss, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+        # `(a + b).backward()`: the weight multiplies the whole loss, inside the parentheses it had.
+        text = text if atomic else f"({text})"
+        lead = names[0]
+        text = f"{text} * len({chunk[lead]}) / len({lead})"
+        outer = atomic and loss is step.backward.func.value
+        edits.append((*src.span(loss), f"({text})" if outer else text))
     edited = _apply(source, edits).split("\n")
     indent = src.lines[span[0].lineno - 1][: span[0].col_offset]
     top, bottom = span[0].lineno - 1, span[-1].end_lineno

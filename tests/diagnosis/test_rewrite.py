@@ -503,6 +503,13 @@ for epoch in range(100):
     )
     assert whole_step(moved).fed == (("model", "X"),)
     assert "        pred = model(X_rows.to(device))\n" in micro_batch_source(moved, ("X", "y"), 1000, 300)
+    # A loss written as a sum is weighted whole.
+    two = FULL_BATCH.replace(
+        "    loss.backward()", "    (loss + 0.1 * model[0].weight.square().sum()).backward()"
+    )
+    assert "((loss + 0.1 * model[0].weight.square().sum()) * len(X_rows) / len(X)).backward()" in (
+        micro_batch_source(two, ("X", "y"), 1000, 300)
+    )
     # A summed loss is not weighted (its micro-batches' sums add up to it); a name taken stays taken.
     summed = FULL_BATCH.replace("loss_fn(pred, y)", 'loss_fn(pred, y, reduction="sum")')
     new = micro_batch_source(summed.replace("print(epoch, ", "X_rows = 0; print("), ("X",), 1000, 500)
