@@ -407,7 +407,8 @@ _MOVES = frozenset({"to", "cuda", "float", "half", "bfloat16", "contiguous", "pi
 
 def whole_step(source: str) -> WholeStep | None:
     """The cell's one training step on whole tensors (``WholeStep``), or None: no backward pass, more than
-    one, or one inside a function."""
+    one, one inside a function other than a training function the cell defines and calls once, or no
+    input read whole."""
     tree = tree_of(source)
     if tree is None:
         return None
