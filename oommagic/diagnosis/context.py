@@ -131,6 +131,7 @@ def scan_namespace(
         models = models + _model_being_built(error, models, source, trains, checkpointing, grown)
         frames, scopes = failing_frames(error, namespace, source)
         line = next((f.line for f in reversed(frames) if f.in_cell), None)
+        helpers = training_helpers(source, namespace)
         return NamespaceScan(
             leftovers=leftovers,
             models=models,
@@ -140,12 +141,12 @@ def scan_namespace(
             prompt_tokens=prompt_tokens(source, namespace),
             prompt_batch=prompt_shape(source, namespace)[0],
             trains=trains,
-            helpers=training_helpers(source, namespace),
+            helpers=helpers,
             settings_batch=settings_batch(source, namespace)
             or expression_batch(source, namespace)
             or loader_batch(source, namespace, line),
             call_batch=default_batch(source, namespace),
-            rows_batch=_quietly(rows_batch, source, namespace),
+            rows_batch=_quietly(rows_batch, source, namespace, helpers),
             rows_call=_quietly(rows_call, source, namespace, line),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
@@ -675,13 +676,22 @@ def expression_batch(source: str, namespace: Mapping) -> BatchGuess | None:
     return None
 
 
-def rows_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+def rows_batch(
+    source: str, namespace: Mapping, helpers: tuple[tuple[str, str], ...] = ()
+) -> BatchGuess | None:
     """The batch of a training step on whole tensors of the namespace (``cell.whole_step``): the rows of
     the first input passed to a call (the model's), with every input of as many rows beside it (the
-    targets), plain tensors only (no parameter, nothing that needs a gradient). Reads tensors' shapes."""
+    targets), plain tensors only (no parameter, nothing that needs a gradient). The step is the cell's, or
+    that of a notebook function it calls (``helpers``: its source read before the cell's). Reads tensors'
+    shapes."""
     import torch
 
     step = cell.whole_step(source)
+    for name, code in helpers if step is None else ():
+        step = cell.whole_step(f"{code}\n\n{source}")
+        if step is not None and step.function == name:
+            break
+        step = None
     if step is None:
         return None
     tensors = {

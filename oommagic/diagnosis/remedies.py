@@ -419,6 +419,11 @@ def batch_source(
         return None, guess.accumulation is not None or acc <= 1
     written = guess.where in WRITTEN
     rewritten = rewrite_batch(source, guess, new, acc) if written else source
+    for _, code in helpers if rewritten is None and guess.where == "rows" else ():
+        # The full-batch step is in a notebook function the cell calls: redefined at the top of the cell.
+        both = rewrite_batch(f"{code.rstrip()}\n\n{source}", guess, new, acc)
+        if both is not None:
+            return f"# each step on micro-batches of the rows, written by %%gpumem\n{both}", True
     if rewritten is None:
         return None, False
     if acc <= 1 or guess.where == "rows":

@@ -799,3 +799,17 @@ def test_a_full_batch_training_function_defined_in_the_cell_gets_micro_batches_a
     assert fix.kind == "batch" and fix.verdict == "fits", fix
     assert fitted.outcome == "ok" and "for X_rows, y_rows in zip(X.tensor_split(" in fitted.source
     assert isinstance(shell.user_ns["last_loss"], float)
+
+
+def test_a_full_batch_training_function_from_an_earlier_cell_is_redefined_with_micro_batches(shell, run_cell):
+    # `fit` was defined in an earlier cell; the failing cell only calls it.
+    definition, call = FULL_BATCH_FUNCTION.split("\n\n")
+    run_cell(FULL_BATCH_SETUP)
+    run_cell(definition)
+    failed, fix, fitted = first_click(70, call, shell, run_cell)
+    assert failed.context.batch == BatchGuess("rows", 8192, "rows", path=("X", "y"))
+    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert fitted.source.startswith("# each step on micro-batches of the rows, written by %%gpumem\ndef fit(")
+    assert fitted.source.rstrip().endswith("last_loss = fit(net, X_all, y_all)")
+    assert isinstance(shell.user_ns["last_loss"], float)
