@@ -702,10 +702,13 @@ def rows_batch(
         and not value.requires_grad
         and value.dim() >= 1
     }
-    fed = next(
-        (n for func, n in step.fed if n in tensors and _module_at(namespace, step.outside(func)) is not None),
-        None,
-    )
+
+    def model(func: str) -> bool:
+        # A loss module's first argument is the model's output, not the step's input.
+        module = _module_at(namespace, step.outside(func))
+        return module is not None and not isinstance(module, torch.nn.modules.loss._Loss)
+
+    fed = next((n for func, n in step.fed if n in tensors and model(func)), None)
     if fed is None or tensors[fed].shape[0] < 2:
         return None
     rows = int(tensors[fed].shape[0])
@@ -717,15 +720,14 @@ def rows_batch(
 
 def _module_at(namespace: Mapping, dotted: str) -> Any:
     """The ``torch.nn.Module`` a dotted name of the cell calls (``model``, ``model.encoder``: submodules by
-    attribute, read from ``_modules``), not a loss; None for anything else."""
+    attribute, read from ``_modules``, no property runs); None for anything else."""
     import torch
 
     first, *path = dotted.split(".")
     module = namespace.get(first)
     for attr in path:
         module = instance_dict(module).get("_modules", {}).get(attr) if module is not None else None
-    losses = torch.nn.modules.loss._Loss
-    return module if isinstance(module, torch.nn.Module) and not isinstance(module, losses) else None
+    return module if isinstance(module, torch.nn.Module) else None
 
 
 def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | None:
@@ -745,17 +747,10 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Call) and node.lineno <= line <= (node.end_lineno or node.lineno)):
             continue
-        path, func = [], node.func
-        while isinstance(func, ast.Attribute):
-            path.append(func.attr)
-            func = func.value
-        if not isinstance(func, ast.Name):
-            continue
-        module = namespace.get(func.id)
-        for attr in reversed(path):
-            module = instance_dict(module).get("_modules", {}).get(attr) if module is not None else None
-        if isinstance(module, torch.nn.Module) and not isinstance(module, tuples):
-            modules.add(cell.dotted_name(node.func))
+        dotted = cell.dotted_name(node.func)
+        module = _module_at(namespace, dotted)
+        if module is not None and not isinstance(module, tuples):
+            modules.add(dotted)
     expr = cell.rows_expression(source, line, frozenset(modules))
     if expr is None:
         return None

@@ -19,12 +19,14 @@ from .source import (
     SourceText,
     binding_sites,
     call_matches,
+    contains,
     dotted_name,
     expression_nodes,
     int_literal,
     kept_sites,
     row_wise,
     shape_literals,
+    step_call,
     step_literals,
     target_names,
     tree_of,
@@ -270,7 +272,7 @@ def accumulate_loops(source: str, steps: int, counter: str = "micro_step") -> st
     edits: list[tuple[int, int, str]] = []
     loops = [n for n in ast.walk(tree) if isinstance(n, (ast.For, ast.While)) and _trains_in(n)]
     # The innermost training loops only: an epoch loop around a batch loop keeps its own count.
-    loops = [n for n in loops if not any(m is not n and _contains(n, m) for m in loops)]
+    loops = [n for n in loops if not any(m is not n and contains(n, m) for m in loops)]
     if not loops:
         return None
     for loop in loops:
@@ -291,7 +293,7 @@ def accumulate_loops(source: str, steps: int, counter: str = "micro_step") -> st
                 name = call.func.attr if call is not None and isinstance(call.func, ast.Attribute) else None
                 indent = src.lines[stmt.lineno - 1][: stmt.col_offset]
                 start, end = src.starts[stmt.lineno - 1], src.offset(stmt.end_lineno, stmt.end_col_offset)
-                guarded = name in ("step", "zero_grad") or (name == "update" and _owner(call) == "scaler")
+                guarded = step_call(call) is not None
                 if name == "backward":
                     loss = _loss_of(call)
                     text = f"{src.segment(loss)} / {steps}"
@@ -311,10 +313,6 @@ def _trains_in(loop: ast.AST) -> bool:
         for stmt in _statements(loop.body)
         for n in ast.walk(stmt)
     )
-
-
-def _contains(outer: ast.AST, inner: ast.AST) -> bool:
-    return any(n is inner for n in ast.walk(outer))
 
 
 def _blocks(body: list[ast.stmt]) -> list[list[ast.stmt]]:

@@ -391,12 +391,12 @@ class WholeStep:
             return None
         before, after = [], []
         for stmt in self.block[first : self.last + 1]:
-            kind = _step_call(stmt)
+            kind = _step_statement(stmt)
             if kind == "zero_grad":
                 before.append(stmt)
             elif kind == "step":
                 after.append(stmt)
-            elif any(_step_call(ast.Expr(n)) for n in ast.walk(stmt) if isinstance(n, ast.Call)):
+            elif any(step_call(n) for n in ast.walk(stmt)):
                 return None
         return first, tuple(before), tuple(after)
 
@@ -423,8 +423,9 @@ def whole_step(source: str) -> WholeStep | None:
     block: list[ast.stmt] = tree.body
     function: ast.FunctionDef | None = None
     while True:
-        holder = next(s for s in block if _holds(s, back))
-        if isinstance(holder, ast.FunctionDef) and block is tree.body and _called_once(tree, holder.name):
+        holder = next(s for s in block if contains(s, back))
+        call = _single_call(tree, holder.name) if isinstance(holder, ast.FunctionDef) else None
+        if call is not None and block is tree.body:
             # A training function the cell defines and calls: its parameters are the step's inputs.
             function, block = holder, holder.body
             continue
@@ -434,14 +435,14 @@ def whole_step(source: str) -> WholeStep | None:
         if inner is None:
             break
         block = inner.body
-    last = next(i for i, s in enumerate(block) if _holds(s, back))
+    last = next(i for i, s in enumerate(block) if contains(s, back))
     bound = _bound_other_than_moved(tree, function)
     fed: list[tuple[int, int, str, str]] = []
     sliced: set[str] = set()
     called: set[str] = set()
     firsts: dict[str, tuple[int, int, int]] = {}
     for i, stmt in enumerate(block[: last + 1]):
-        if _step_call(stmt):
+        if _step_statement(stmt):
             continue  # what an optimizer's zero_grad() or step() reads is no input of the step
         for node in ast.walk(stmt):
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
@@ -470,67 +471,65 @@ def whole_step(source: str) -> WholeStep | None:
     if function is not None:
         params = [a.arg for a in function.args.posonlyargs + function.args.args + function.args.kwonlyargs]
         reads = tuple((n, i) for n, i in reads if n in params)
-        call = _call_of(tree, function.name)
+        call = _single_call(tree, function.name)
         args = dict(zip(params, call.args, strict=False))
         args.update((k.arg, k.value) for k in call.keywords if k.arg)
-        given = {p: _unmoved(v).id for p, v in args.items() if isinstance(_unmoved(v), ast.Name)}
+        passed = {p: _unmoved(v).id for p, v in args.items() if isinstance(_unmoved(v), ast.Name)}
         if not reads:
             return None
-        return WholeStep(tuple(block), last, back, reads, feeds, function.name, tuple(given.items()))
+        return WholeStep(tuple(block), last, back, reads, feeds, function.name, tuple(passed.items()))
     return WholeStep(tuple(block), last, back, reads, feeds)
 
 
-def _called_once(tree: ast.Module, name: str) -> bool:
-    """Whether the cell calls ``name`` once, at its top level (``train(model, X, y)``), with no ``*``."""
+def _single_call(tree: ast.Module, name: str) -> ast.Call | None:
+    """The cell's one call of ``name``, at its top level (``train(model, X, y)``), with no ``*`` or
+    ``**``; None where it calls it otherwise or more than once."""
     calls = [
         n
         for n in ast.walk(tree)
         if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
     ]
-    return (
-        len(calls) == 1
-        and any(_holds(s, calls[0]) and not isinstance(s, ast.FunctionDef) for s in tree.body)
-        and not any(isinstance(a, ast.Starred) for a in calls[0].args)
-        and all(k.arg for k in calls[0].keywords)
-    )
+    if len(calls) != 1:
+        return None
+    (call,) = calls
+    top = any(contains(s, call) and not isinstance(s, ast.FunctionDef) for s in tree.body)
+    plain = not any(isinstance(a, ast.Starred) for a in call.args) and all(k.arg for k in call.keywords)
+    return call if top and plain else None
 
 
-def _call_of(tree: ast.Module, name: str) -> ast.Call:
-    return next(
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name
-    )
-
-
-def _holds(stmt: ast.AST, node: ast.AST) -> bool:
-    return any(n is node for n in ast.walk(stmt))
+def contains(outer: ast.AST, node: ast.AST) -> bool:
+    """Whether ``node`` is ``outer`` or inside it."""
+    return any(n is node for n in ast.walk(outer))
 
 
 def _loop_holding(stmt: ast.stmt, node: ast.AST) -> ast.For | ast.While | None:
     """The outermost loop within ``stmt`` (``stmt`` itself included, through ``if``/``with``/``try``
     blocks) whose body holds ``node``."""
     if isinstance(stmt, (ast.For, ast.AsyncFor, ast.While)):
-        return stmt if any(_holds(s, node) for s in stmt.body) else None
+        return stmt if any(contains(s, node) for s in stmt.body) else None
     if isinstance(stmt, (ast.If, ast.With, ast.AsyncWith, ast.Try)):
         for inner in (stmt.body, getattr(stmt, "orelse", []), getattr(stmt, "finalbody", [])):
             for s in inner:
-                if _holds(s, node):
+                if contains(s, node):
                     return _loop_holding(s, node)
     return None
 
 
-def _step_call(stmt: ast.stmt) -> str | None:
-    """``"zero_grad"`` or ``"step"`` for a statement that is an optimizer's (or a scheduler's or a
-    GradScaler's) call of it; ``scaler.update()`` counts as a step."""
-    call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
-    if call is None or not isinstance(call.func, ast.Attribute):
+def step_call(call: ast.AST) -> str | None:
+    """``"zero_grad"`` or ``"step"`` for an optimizer's (a scheduler's, a GradScaler's) call of it;
+    ``scaler.update()`` counts as a step. None for anything else."""
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)):
         return None
     name = call.func.attr
     if name in _STEP_CALLS:
         return name
     owner = dotted_name(call.func.value).rsplit(".", 1)[-1].lower()
     return "step" if name == "update" and owner.endswith("scaler") else None
+
+
+def _step_statement(stmt: ast.stmt) -> str | None:
+    """``step_call`` of a statement that is only that call (``opt.step()``)."""
+    return step_call(stmt.value) if isinstance(stmt, ast.Expr) else None
 
 
 def _bound_other_than_moved(tree: ast.Module, function: ast.FunctionDef | None = None) -> set[str]:
@@ -552,7 +551,7 @@ def _bound_other_than_moved(tree: ast.Module, function: ast.FunctionDef | None =
             bound.add(node.id)
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             bound.add(node.name)
-        elif isinstance(node, ast.arg) and not (function is not None and _holds(function.args, node)):
+        elif isinstance(node, ast.arg) and not (function is not None and contains(function.args, node)):
             bound.add(node.arg)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             bound.update((a.asname or a.name).split(".")[0] for a in node.names)
