@@ -16,7 +16,6 @@ from ..timeline import Timeline
 from .source import BatchGuess, EvalBatch
 
 __all__ = [
-    "KINDS",
     "TRAINING_STATE",
     "DiagnosisContext",
     "EvalLoader",
@@ -38,46 +37,14 @@ __all__ = [
 # Weights + gradients + two Adam moments: full training with Adam holds ~4x the parameters.
 TRAINING_STATE = 4
 
-KINDS = frozenset(
-    {
-        "batch",
-        "autocast",
-        "expandable_segments",
-        "max_split_size",
-        "empty_cache",
-        "checkpointing",
-        "free_leftovers",
-        "quantize",
-        "offload",
-        "truncate",
-        "max_new_tokens",
-        "num_beams",
-        "other_gpu",
-        "launch_blocking",
-        "multi_gpu",
-        "keep_numbers",
-        "no_grad",
-        "eval_batch",
-        "free_pinned",
-        "split_generate",
-        "kv_cache",
-        "shutdown_kernel",
-        "logits_to_keep",
-        "quantized_cache",
-        "skip_long",
-        "step_per_tensor",
-        "split_rows",
-    }
-)
-
 
 @dataclass(frozen=True)
 class Remedy:
     """One fix: a button label, why it helps, a snippet to copy, and whether a retry can apply it.
 
-    ``kind`` is one of ``KINDS``; ``saving`` the bytes it is expected to save (None: the figures don't say);
-    ``params`` what the retry needs (JSON-able); ``new_source`` the whole cell with the change applied,
-    for source rewrites (the JupyterLab panel writes it into the cell).
+    ``kind`` names a row of ``kinds.KINDS``; ``saving`` the bytes it is expected to save (None: the
+    figures don't say); ``params`` what the retry needs (JSON-able); ``new_source`` the whole cell with
+    the change applied, for source rewrites (the JupyterLab panel writes it into the cell).
     """
 
     kind: str

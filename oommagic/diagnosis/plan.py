@@ -11,32 +11,11 @@ from dataclasses import dataclass, field, replace
 
 from ..sizes import format_bytes
 from .findings import Remedy
+from .kinds import COMPUTED, tier
 
-FITS, DOES_NOT_FIT, NOT_MEASURED = "fits", "does not fit", "not measured"
-
-# What a fix changes beyond memory: 0 the same results (a setting, recomputation, the same effective
-# batch), 1 the numerics (lower precision), 2 what is computed (a smaller effective batch, shorter
-# inputs or outputs). A plan prefers the lowest tier that fits, then the fastest.
-_TIER = {
-    "expandable_segments": 0,
-    "empty_cache": 0,
-    "free_leftovers": 0,
-    "keep_numbers": 0,
-    "no_grad": 0,
-    "eval_batch": 0,
-    "split_generate": 0,
-    "checkpointing": 0,
-    "logits_to_keep": 0,
-    "step_per_tensor": 0,
-    "split_rows": 0,
-    "autocast": 1,
-    "quantize": 1,
-    "kv_cache": 1,
-    "quantized_cache": 1,
-    "truncate": 2,
-    "max_new_tokens": 2,
-    "num_beams": 2,
-}
+FITS, LIKELY_FITS, DOES_NOT_FIT, NOT_MEASURED = "fits", "likely fits", "does not fit", "not measured"
+# "fits": a trial ran what the click runs through the run's steady state and left at least the margin
+# free; "likely fits": it ran within the budget but with less to spare, or not through the steady state.
 
 
 @dataclass(frozen=True)
@@ -64,14 +43,9 @@ class PlanEntry:
 
     @property
     def tier(self) -> int:
-        tiers = [_TIER.get(r.kind, 2) for r in self.fixes]
-        for i, r in enumerate(self.fixes):
-            # Cutting only the outlier samples that made one step fail changes less than a smaller batch.
-            if r.kind in ("truncate", "skip_long") and r.params.get("outlier"):
-                tiers[i] = 0
-            if r.kind == "batch":
-                tiers.append(0 if r.params.get("keeps_effective", False) else 2)
-        return max(tiers, default=2)
+        """What the entry changes beyond memory, its most changing fix's tier (``kinds.SAME``,
+        ``NUMERICS``, ``COMPUTED``): a plan prefers the lowest tier that fits, then the fastest."""
+        return max((tier(r) for r in self.fixes), default=COMPUTED)
 
     def line(self) -> str:
         """'fits — peak 201.3 MiB of 256.0 MiB, 1.3× the time per step (trial: 2 optimizer steps)'."""
@@ -116,6 +90,7 @@ class FixPlan:
     trials: int = 0
     snapshot_bytes: int = 0
     stopped: bool = False
+    cut_short: bool = False  # the time budget ended with candidates left unmeasured
     unfittable: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -138,6 +113,7 @@ class FixPlan:
             "trials": self.trials,
             "snapshot_bytes": self.snapshot_bytes,
             "stopped": self.stopped,
+            "cut_short": self.cut_short,
             "unfittable": self.unfittable,
             "notes": list(self.notes),
         }
@@ -145,14 +121,17 @@ class FixPlan:
 
 def ordered(entries: list[PlanEntry]) -> tuple[PlanEntry, ...]:
     """Fitting entries first, cheapest first (fewest changes to what is computed, then fastest, then the
-    fewest fixes); then the ones not measured, in the diagnosis's order; then the ones that do not fit."""
-    rank = {FITS: 0, NOT_MEASURED: 1, DOES_NOT_FIT: 2}
+    fewest fixes); then the ones that likely fit, the most room left first; then the ones not measured, in
+    the diagnosis's order; then the ones that do not fit."""
+    rank = {FITS: 0, LIKELY_FITS: 1, NOT_MEASURED: 2, DOES_NOT_FIT: 3}
 
     def key(item: tuple[int, PlanEntry]) -> tuple:
         i, e = item
         if e.verdict == FITS:
             return (0, e.tier, e.time_ratio or e.seconds_per_step or 0.0, len(e.fixes), i)
-        return (rank.get(e.verdict, 1), 0, 0.0, 0, i)
+        if e.verdict == LIKELY_FITS:
+            return (1, e.tier, float(e.peak or 0), len(e.fixes), i)
+        return (rank.get(e.verdict, 2), 0, 0.0, 0, i)
 
     return tuple(e for _, e in sorted(enumerate(entries), key=key))
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from ..oom import OOMReport, parse_oom
 from ..sizes import format_bytes as fmt
 from .findings import Finding, Remedy
+from .kinds import kind_of
 from .source import BatchGuess
 
 # A rank whose weights, gradients and optimizer state are at least this share of its peak gains most from
@@ -333,9 +334,6 @@ def rank_findings(ranks: Ranks, source: str, batch: BatchGuess | None = None) ->
 
 # Retries that reach the ranks: a rewrite of the cell, a batch variable the cell hands to its ranks, the
 # kernel's own leftovers (on a GPU one of the ranks shares).
-_REACHES_RANKS = frozenset({"batch", "free_leftovers"})
-
-
 def in_every_rank(findings: tuple[Finding, ...]) -> tuple[Finding, ...]:
     """``findings`` of a distributed cell: a retry that only changes a setting of the kernel's process
     (autocast, the allocator, a hook) does not reach the ranks, so it becomes a snippet to put into the
@@ -344,7 +342,7 @@ def in_every_rank(findings: tuple[Finding, ...]) -> tuple[Finding, ...]:
     for finding in findings:
         remedies = tuple(
             r
-            if not r.automatic or r.new_source or r.kind in _REACHES_RANKS
+            if not r.automatic or r.new_source or kind_of(r).reaches_ranks
             else replace(
                 r,
                 automatic=False,

@@ -19,7 +19,6 @@ from .rewrite import (
     default_dtype_source,
     insert_after_assignment,
     keep_last_logits_source,
-    keep_numbers_source,
     kept_source,
     load_source,
     no_grad_source,
@@ -454,64 +453,6 @@ def _accumulation_loop(acc: int, accelerate: bool) -> str:
         f"    loss = model(**batch).loss / {acc}\n    loss.backward()\n"
         f"    if (i + 1) % {acc} == 0:\n        optimizer.step()\n        optimizer.zero_grad()"
     )
-
-
-def reapply(source: str, remedy: Remedy, helpers: tuple[tuple[str, str], ...] = ()) -> str:
-    """``source`` with ``remedy``'s rewrite made again (a fix removed from a stack: the others are
-    re-applied to the cell as written). A remedy without a rewrite leaves the source as it is."""
-    p = remedy.params
-    if remedy.new_source is None:
-        return source
-    if remedy.kind == "batch" and p.get("where") in WRITTEN:
-        guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
-        return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1))[0] or source
-    if remedy.kind in ("max_new_tokens", "num_beams"):
-        for func in calls_with_keyword(source, p["keyword"]) or ("generate",):
-            source = set_call_keyword(source, func, p["keyword"], p["new"]) or source
-        return source
-    if remedy.kind == "truncate":
-        return truncate_source(source, p["max_length"]) or source
-    if remedy.kind == "skip_long":
-        return skip_long_source(source, p["name"], p["max_length"]) or source
-    if remedy.kind == "keep_numbers":
-        return keep_numbers_source(source, p.get("ndims")) or source
-    if remedy.kind == "no_grad":
-        names = set(p.get("models", ()))
-        return no_grad_source(source, names, tuple(p.get("eval", ()))) or source
-    if remedy.kind == "quantize" and p.get("loads"):
-        if p.get("dtype"):
-            keyword = p.get("keyword", "dtype")
-            return load_source(source, {keyword: "torch.bfloat16"}, ("import torch",)) or source
-        quant = "BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)"
-        imports = ("import torch", "from transformers import BitsAndBytesConfig")
-        return load_source(source, {"quantization_config": quant}, imports) or source
-    if remedy.kind == "quantize" and p.get("statement"):
-        restore = p.get("restore", "float32")
-        return default_dtype_source(source, statement=p["statement"], restore=restore) or source
-    if remedy.kind == "quantize" and p.get("models"):
-        return "import torch\n" + "".join(f"{n}.to(torch.bfloat16)\n" for n in p["models"]) + source
-    if remedy.kind == "offload":
-        mem = f'{{0: "{p["max_memory_gib"]}GiB", "cpu": "64GiB"}}'
-        return load_source(source, {"device_map": '"auto"', "max_memory": mem}) or source
-    if remedy.kind == "split_generate":
-        return split_generate_source(source, p["chunk"]) or source
-    if remedy.kind == "quantized_cache":
-        return quantized_cache_source(source, p["cache_config"]) or source
-    if remedy.kind == "kv_cache":
-        return set_call_keyword(source, "generate", "cache_implementation", "offloaded") or source
-    if remedy.kind == "logits_to_keep":
-        return keep_last_logits_source(source, tuple(p["calls"]), p["keyword"]) or source
-    if remedy.kind == "split_rows":
-        expr = p.get("expr") or f"{p['func']}({p['arg']})"
-        return split_rows_source(source, expr, p["arg"], p["chunk"], p.get("func", "")) or source
-    if remedy.kind == "step_per_tensor":
-        return step_per_tensor_source(source, list(p["optimizers"]))
-    if remedy.kind == "eval_batch" and p.get("loader"):
-        return loader_source(source, EvalLoader(**p["loader"]), p["new"]) or source
-    if remedy.kind == "eval_batch":
-        node = eval_batch_literal(source, EvalBatch(p["name"], p["old"], p["owner"]))
-        return (set_literal(source, node, p["new"]) if node is not None else None) or source
-    return source
 
 
 def autocast(ctx: DiagnosisContext, fig: Figures) -> Remedy:

@@ -72,9 +72,26 @@ def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: in
     if not batch:
         return None
     edits = [(*src.span(s.value), str(new_value)) for s in batch]
+    edits.extend((*src.span(n), str(guess.value)) for n in _bounds_read_through(tree, guess.name))
     if accumulate > 1:
         edits.extend(_accumulation_edits(src, tree, sites, batch, accumulate))
     return _checked(_apply(source, edits))
+
+
+def _bounds_read_through(tree: ast.Module, name: str) -> list[ast.Name]:
+    """The reads of the batch ``name`` in the start and stop of a ``range`` that steps by it
+    (``range(0, 3 * bs, bs)``): they say how many samples the loop sees, which a smaller batch must not
+    shrink (the loop then runs more, smaller steps over the same samples)."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and dotted_name(node.func) == "range" and len(node.args) == 3):
+            continue
+        step = node.args[2]
+        if not (isinstance(step, ast.Name) and step.id == name):
+            continue
+        for bound in node.args[:2]:
+            found += [n for n in ast.walk(bound) if isinstance(n, ast.Name) and n.id == name]
+    return found
 
 
 def accumulates(source: str) -> bool:

@@ -9,31 +9,14 @@ it, also on KeyboardInterrupt. Fixes stack: every fix of ``applied`` is in force
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
+from ..diagnosis.kinds import kind_of, rewrite_again
 from .spec import RunSpec
-
-# Kinds whose whole effect is in the rewritten source: nothing to hold while the run executes.
-SOURCE_ONLY = frozenset(
-    {
-        "max_new_tokens",
-        "num_beams",
-        "truncate",
-        "keep_numbers",
-        "no_grad",
-        "eval_batch",
-        "split_generate",
-        "logits_to_keep",
-        "quantized_cache",
-        "skip_long",
-        "step_per_tensor",
-        "split_rows",
-    }
-)
 
 
 def spec_of(run: CellRun) -> RunSpec:
@@ -52,12 +35,11 @@ def spec_of(run: CellRun) -> RunSpec:
 def spec_with(run: CellRun, fixes: tuple[Remedy, ...]) -> RunSpec:
     """The spec that runs ``run``'s cell with ``fixes`` added to those already in force: each rewrite made
     on the source as the ones before it left it, each setting held during the run."""
-    from ..diagnosis.remedies import reapply
-
     source = run.source
     helpers = run.context.helpers if run.context is not None else ()
     for i, remedy in enumerate(fixes):
-        source = remedy.new_source if i == 0 and remedy.new_source else reapply(source, remedy, helpers)
+        kind_of(remedy)  # an unknown kind stops here, before anything runs
+        source = remedy.new_source if i == 0 and remedy.new_source else rewrite_again(source, remedy, helpers)
     return replace(spec_of(run), source=source, applied=(*run.applied, *fixes))
 
 
@@ -71,30 +53,48 @@ def in_force(applied: tuple[Remedy, ...], shell: Any, device: str) -> Iterator[N
 
 
 def holding(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractContextManager:
-    """The context manager that holds ``remedy``'s setting (a null one where its change is in the source
-    or was done once, like freeing leftovers)."""
-    kind, params = remedy.kind, remedy.params
-    if kind == "batch" and params.get("where") in ("namespace", "option"):
+    """The context manager that holds ``remedy``'s setting: its kind's ``hold`` (a null one where its
+    change is in the source or was done once, like freeing leftovers)."""
+    name = kind_of(remedy).hold
+    return HOLDS[name].hold(remedy, shell, device) if name else contextlib.nullcontext()
+
+
+def undo(remedy: Remedy, ns: dict) -> None:
+    """Put back what ``remedy``'s setting left in the namespace after its runs (a rebound batch
+    variable, an object's batch setting): the fix is removed from the stack."""
+    name = kind_of(remedy).hold
+    if name and HOLDS[name].undo is not None:
+        HOLDS[name].undo(remedy, ns)
+
+
+def _batch_setting(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractContextManager:
+    params = remedy.params
+    if params.get("where") in ("namespace", "option"):
         return _rebound(shell.user_ns, params["name"], params["new"])
-    if kind == "batch" and params.get("where") == "loader":
+    if params.get("where") == "loader":
         name = params["path"][0]
         return _rebound(shell.user_ns, name, rebuilt_loader(shell.user_ns[name], params["new"]))
-    if kind == "batch" and params.get("where") == "attribute":
+    if params.get("where") == "attribute":
         values = {params["name"]: params["new"]}
         if params.get("accumulation"):
             path, _, new_steps = params["accumulation"]
             values[path] = new_steps
         values.update({path: new for path, _, new in params.get("mirrors", [])})
         return _set_attributes(shell.user_ns, values)
-    if kind == "autocast" or (kind == "quantize" and params.get("autocast")):
-        return _autocast(device, params.get("autocast") or params.get("dtype", "bfloat16"))
-    if kind == "expandable_segments":
-        return _expandable_segments(device)
-    if kind == "empty_cache":
-        return _empty_cache_every_step()
-    if kind == "checkpointing" and remedy.new_source is None:
-        return _checkpointing(shell.user_ns, params.get("models") or [])
     return contextlib.nullcontext()
+
+
+def _batch_undo(remedy: Remedy, ns: dict) -> None:
+    params = remedy.params
+    if params.get("where") in ("namespace", "option"):
+        ns[params["name"]] = params["old"]
+    if params.get("where") == "attribute":
+        set_attribute(ns, params["name"], params["old"])
+        if params.get("accumulation"):
+            path, old_steps, _ = params["accumulation"]
+            set_attribute(ns, path, old_steps)
+        for path, old, _ in params.get("mirrors", []):
+            set_attribute(ns, path, old)
 
 
 @contextlib.contextmanager
@@ -220,3 +220,36 @@ def _checkpointing(ns: dict, names: list[str]) -> Iterator[None]:
     finally:
         for model in switched:
             model.gradient_checkpointing_disable()
+
+
+@dataclass(frozen=True)
+class Hold:
+    """A setting a fix holds while a run executes (``hold``: remedy, shell, device -> context manager) and,
+    where it outlives the run, how removing the fix puts it back (``undo``: remedy, namespace)."""
+
+    hold: Callable[[Remedy, Any, str], contextlib.AbstractContextManager]
+    undo: Callable[[Remedy, dict], None] | None = None
+
+
+def _autocast_setting(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractContextManager:
+    # quantize holds autocast only where its params ask for it (bf16 compute over quantized weights).
+    if remedy.kind != "autocast" and not remedy.params.get("autocast"):
+        return contextlib.nullcontext()
+    return _autocast(device, remedy.params.get("autocast") or remedy.params.get("dtype", "bfloat16"))
+
+
+def _checkpointing_setting(remedy: Remedy, shell: Any, device: str) -> contextlib.AbstractContextManager:
+    # A rewrite that switches it on in the source (TrainingArguments) needs nothing held.
+    if remedy.new_source is not None:
+        return contextlib.nullcontext()
+    return _checkpointing(shell.user_ns, remedy.params.get("models") or [])
+
+
+# The settings named by the kinds' rows (``diagnosis.kinds.FixKind.hold``).
+HOLDS: dict[str, Hold] = {
+    "batch": Hold(_batch_setting, _batch_undo),
+    "autocast": Hold(_autocast_setting),
+    "expandable_segments": Hold(lambda remedy, shell, device: _expandable_segments(device)),
+    "empty_cache": Hold(lambda remedy, shell, device: _empty_cache_every_step()),
+    "checkpointing": Hold(_checkpointing_setting),
+}

@@ -17,7 +17,18 @@ from typing import Any
 
 from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy, figures
-from ..diagnosis.plan import DOES_NOT_FIT, FITS, NOT_MEASURED, FixPlan, PlanEntry, ordered, with_time_ratios
+from ..diagnosis.kinds import kind_of, tier
+from ..diagnosis.plan import (
+    DOES_NOT_FIT,
+    FITS,
+    LIKELY_FITS,
+    NOT_MEASURED,
+    FixPlan,
+    PlanEntry,
+    ordered,
+    with_time_ratios,
+)
+from ..diagnosis.source import steps_optimizer
 from ..sizes import format_bytes
 from .batch_search import Trial, next_batch
 from .fixes import spec_with
@@ -25,8 +36,6 @@ from .release import frozen_heap
 from .runner import Attempt, Bounds
 from .snapshot import SnapshotTooLarge
 
-# Kinds a trial cannot measure here: they act outside this process or need a restart.
-_UNTRIALED = frozenset({"other_gpu", "launch_blocking", "max_split_size", "multi_gpu", "offload"})
 # At most this many combinations (a fix that helped but not enough, plus a smaller batch).
 _COMBINATIONS = 2
 
@@ -80,6 +89,7 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         spent_s=time.perf_counter() - measure.t0,
         trials=measure.trials,
         snapshot_bytes=measure.snapshot_bytes,
+        cut_short=measure.ran_out and any(e.verdict == NOT_MEASURED for e in entries),
     )
     return replace(plan, summary=_summary(plan, run), unfittable=_unfittable(plan, run))
 
@@ -97,20 +107,47 @@ class _Measure:
         self.training = bool(run.context and run.context.training)
         self.keeps = any(f.key in ("growth", "kept") for f in run.findings)
 
+        self.budget_s = budget_s
+        self.ran_out = False  # a trial was left out (or cut) because the time budget ran out
+
     def left(self) -> float:
-        return self.deadline - time.perf_counter()
+        left = self.deadline - time.perf_counter()
+        self.ran_out = self.ran_out or left <= 0
+        return left
+
+    def extend(self, seconds: float) -> bool:
+        """Give a search that converges ``seconds`` more, up to twice the budget in all: its verifying
+        trial is worth more than a plan cut short one trial before its answer."""
+        most = self.t0 + 2 * self.budget_s
+        if self.deadline >= most:
+            return False
+        self.deadline = min(most, max(self.deadline, time.perf_counter() + seconds))
+        return True
+
+    def converging(self, trials: list[Trial]) -> None:
+        """A search that found a batch that fits gets the time for its verifying trial (about two steps
+        of its largest probe, and a little) where the budget ran out before it."""
+        if self.left() <= 0 and any(t.fits for t in trials):
+            self.extend(4 * max(t.wall_s for t in trials) + 1.0)
 
     def all(self) -> list[PlanEntry]:
         found: list[PlanEntry] = []
-        singles = [r for r in candidates(self.run) if r.kind != "batch"]
+        fig = figures(self.run.report, self.run.context) if self.run.context is not None else None
         batch = next((r for r in candidates(self.run) if r.kind == "batch"), None)
-        for remedy in singles:
+        # The likeliest fit first (by the figures, the share of the shortfall a fix saves), then the one
+        # that changes least: a budget that runs out then leaves the unlikely ones unmeasured.
+        order = sorted(
+            candidates(self.run),
+            key=lambda r: (-(fig.coverage(r.saving) if fig is not None else 0.0), tier(r)),
+        )
+        for remedy in order:
+            if remedy.kind == "batch":
+                found.append(self.batch_entry(()) or self.entry((batch,)))
+                continue
             entry = self.entry((remedy,))
             if remedy.kind == "split_rows":
                 entry = self.smaller_chunks(entry)
             found.append(entry)
-        if batch is not None:
-            found.append(self.batch_entry(()) or self.entry((batch,)))
         # A fix that frees room (leftovers, checkpointing) can make a smaller batch fit where the batch
         # alone could not (its finding then offers none): combinations try the cell's batch either way.
         guess = self.run.context.batch if self.run.context is not None else None
@@ -170,7 +207,7 @@ class _Measure:
     def entry(
         self, fixes: tuple[Remedy, ...], steps_scale: float = 1.0, bounds: Bounds | None = None
     ) -> PlanEntry:
-        if any(r.kind in _UNTRIALED for r in fixes):
+        if not all(kind_of(r).trial for r in fixes):
             return PlanEntry(
                 fixes, NOT_MEASURED, budget=self.budget, method="cannot be tried in this process"
             )
@@ -204,12 +241,14 @@ class _Measure:
         if not self.training or self.keeps:
             # A loop that keeps tensors grows to its end: only the whole cell shows whether it fits.
             return Bounds(steps=None, seconds=self.left(), limit=limit), "trial: the whole cell"
-        # Past the step where the original run failed: a later, longer batch must be part of the trial.
+        # Through the second optimizer step (the optimizer's state exists from the first, and the second
+        # step's temporaries come on top of it), and past the step where the original run failed: a later,
+        # longer batch must be part of the trial.
         done = len(self.run.recording.timeline.steps)
-        steps = max(1, math.ceil(done * steps_scale))
-        return Bounds(
-            steps=steps, seconds=self.left(), limit=limit
-        ), f"trial: {steps} optimizer step{'s' if steps != 1 else ''} and a backward pass"
+        steps = max(2, math.ceil(done * steps_scale))
+        return Bounds(steps=steps, seconds=self.left(), limit=limit), (
+            f"trial: {steps} optimizer steps and a backward pass"
+        )
 
     def judge(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
         rec = attempt.recording
@@ -225,29 +264,48 @@ class _Measure:
         if attempt.outcome == "stopped" and "time" in (attempt.stopped_by or ""):
             done = f"after {attempt.steps} optimizer steps" if self.training else "before the cell ended"
             return replace(entry, verdict=NOT_MEASURED, note=f"the time budget ran out {done}")
-        if attempt.outcome == "stopped" and "backward passes" in (attempt.stopped_by or ""):
-            return replace(entry, verdict=NOT_MEASURED, seconds_per_step=step, note=attempt.stopped_by or "")
-        if self.training and attempt.outcome == "ok" and attempt.steps == 0:
-            return replace(entry, verdict=NOT_MEASURED, note="the cell ran no optimizer step")
-        note = ""
-        if self.budget and peak > self.budget * (1 - self.margin):
-            note = f"tight: {format_bytes(self.budget - peak)} to spare"
-        return replace(entry, verdict=FITS, seconds_per_step=step, note=note)
+        if attempt.outcome == "ok" and (changed := self.work_changed(fixes, attempt.steps)):
+            return replace(entry, verdict=DOES_NOT_FIT, seconds_per_step=step, note=changed)
+        room = self.budget - peak if self.budget else None
+        if room is not None and peak > self.budget * (1 - self.margin):
+            # The steps after a trial may allocate a little more than it saw: less than the margin to spare
+            # is not a promise (pressed, two fixes "tight" by 124 and 434 MiB ran out).
+            spare = f"{format_bytes(max(room, 0))} to spare" if room >= 0 else "over the budget"
+            return replace(
+                entry,
+                verdict=LIKELY_FITS,
+                seconds_per_step=step,
+                note=f"{spare}, less than the {self.margin:.0%} margin a verified fit keeps",
+            )
+        return replace(entry, verdict=FITS, seconds_per_step=step)
+
+    def work_changed(self, fixes: tuple[Remedy, ...], steps: int) -> str:
+        """Why a trial that ran the whole cell did less work than the cell as written ('' when it did not):
+        no optimizer step where the cell steps one, or fewer steps than the failed run had taken."""
+        if not self.training:
+            return ""
+        done = len(self.run.recording.timeline.steps)
+        if steps < done:
+            return f"the rewritten cell took {steps} optimizer steps where the cell as written took {done}+"
+        ctx = self.run.context
+        texts = [self.run.source, *(code for _, code in (ctx.helpers if ctx is not None else ()))]
+        rewrites = any(r.new_source is not None for r in fixes)
+        if steps == 0 and rewrites and any(steps_optimizer(t) for t in texts):
+            return "the rewritten cell took no optimizer step where the cell as written takes them"
+        return ""
 
     # --- the batch: probes, a line, a check -----------------------------------------------------------
 
     def accumulated(self, base: tuple[Remedy, ...], remedy: Remedy) -> PlanEntry:
-        """The rewritten cell with its accumulation, run through its first optimizer step and two
-        micro-batches after it: the steady state, where each backward pass adds to gradients kept beside
-        the optimizer's state (a temporary per parameter as it adds), which neither a probe nor the first
-        micro-batches hold."""
-        backwards = remedy.params.get("accumulate", 1) + 2 if self.training else 2
-        entry = self.entry(
-            (*base, remedy), bounds=Bounds(steps=None, backwards=backwards, seconds=self.left())
-        )
-        if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
-            entry = replace(entry, verdict=FITS, note="")
-        return entry
+        """The rewritten cell with its accumulation, run through its second optimizer step and a backward
+        pass after it: the steady state, where each backward pass adds to gradients kept beside the
+        optimizer's state (a temporary per parameter as it adds), which neither a probe nor the first
+        micro-batches hold. A cell that does not train runs two micro-batches."""
+        if self.training:
+            bounds = Bounds(steps=2, seconds=self.left())
+        else:
+            bounds = Bounds(steps=None, backwards=2, seconds=self.left())
+        return self.entry((*base, remedy), bounds=bounds)
 
     def batch_entry(self, base: tuple[Remedy, ...]) -> PlanEntry | None:
         """The largest micro-batch that fits with ``base`` in force, with accumulation keeping the
@@ -301,6 +359,18 @@ class _Measure:
             if last is None and base:
                 return None  # a combination the budget left no time to try: nothing to offer for it
             smallest = last.batch if last is not None else max(1, b)
+            if last is not None and smallest > 1:
+                # The budget ended with the knob not exhausted: a smaller batch was never tried, so this
+                # says nothing of whether one fits.
+                smaller, acc = split_batch(guess.value, max(1, smallest // 2), self.training)
+                return PlanEntry(
+                    (*base, fix.batch(ctx, fig, guess, smaller, acc)),
+                    NOT_MEASURED,
+                    peak=None,
+                    budget=self.budget,
+                    method=f"{len(trials)} probes",
+                    note=f"{guess.name}={smallest} did not fit and the time budget ran out before {smaller}",
+                )
             return PlanEntry(
                 (*base, fix.batch(ctx, fig, guess, smallest, 1)),
                 DOES_NOT_FIT if last is not None else NOT_MEASURED,
@@ -324,10 +394,11 @@ class _Measure:
         remedy = fix.batch(ctx, fig, guess, new, acc)
         probes = f"{len(trials)} probes"
         if remedy.params.get("accumulate", 1) > 1 and self.training and not self.keeps:
-            # The rewritten cell itself runs through its first optimizer step with its accumulation: the
+            # The rewritten cell itself runs through its second optimizer step with its accumulation: the
             # steady state the probes did not hold, and a rewrite that breaks the cell, show here.
+            self.converging(trials)
             entry = self.accumulated(base, remedy)
-            while entry.verdict == DOES_NOT_FIT and new > 1 and self.left() > 0:
+            while entry.verdict == DOES_NOT_FIT and not entry.note and new > 1 and self.left() > 0:
                 # The gradients kept between micro-batches took more room than the probes left: half the
                 # micro-batch, the effective batch kept.
                 new, acc = split_batch(guess.value, max(1, new // 2), True)
@@ -337,9 +408,10 @@ class _Measure:
                 (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
             )
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
-            ran = "its first optimizer step and 2 micro-batches more" if self.training else "2 micro-batches"
+            ran = "through its second optimizer step" if self.training else "2 micro-batches"
             return replace(entry, method=f"{how}; the rewritten cell ran {ran}")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
+        self.converging(trials)
         entry = self.entry((*base, remedy), steps_scale=scale)
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
 
@@ -384,9 +456,11 @@ def _first_probe(fig: Any, old: int) -> int:
 
 
 def _freed(remedy: Remedy, run: CellRun) -> int:
-    if remedy.kind == "free_pinned":
+    """The bytes applying ``remedy`` frees once (its kind's ``frees``)."""
+    frees = kind_of(remedy).frees
+    if frees == "pinned":
         return remedy.saving or 0
-    if remedy.kind != "free_leftovers" or run.context is None:
+    if frees != "names" or run.context is None:
         return 0
     names = set(remedy.params.get("names", []))
     return sum(x.bytes for x in run.context.leftovers if x.name in names)
@@ -399,16 +473,26 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
 
 def _summary(plan: FixPlan, run: CellRun) -> str:
     best = plan.recommended
-    head = (
-        f"{best.title} fits: {best.line().removeprefix(FITS + ' — ')}."
-        if best is not None
-        else "No fix measured here fits."
-    )
-    return (
-        f"{head} {plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
-        f"{plan.budget_s:.0f} s budget; "
-        "the model, optimizer, RNG and namespace were restored after each"
-        + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")
+    likely = next((e for e in plan.entries if e.verdict == LIKELY_FITS), None)
+    untried = next((e for e in plan.entries if e.verdict == NOT_MEASURED), None)
+    if best is not None:
+        head = f"{best.title} fits: {best.line().removeprefix(FITS + ' — ')}."
+    elif likely is not None:
+        head = f"{likely.title} likely fits: {likely.line().removeprefix(LIKELY_FITS + ' — ')}."
+    elif plan.cut_short and untried is not None:
+        # Not "nothing fits": the budget ended before a fix was verified.
+        head = (
+            f"Stopped after {plan.spent_s:.0f} s (--plan-budget) before a fix was verified; the next "
+            f"candidate, not measured: {untried.title}."
+        )
+    else:
+        head = "No fix measured here fits."
+    trials = f"{plan.trials} trial{'s' if plan.trials != 1 else ''}"
+    spent = f"{trials} in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget"
+    if plan.spent_s > plan.budget_s * 1.05:
+        spent += " (extended for a search that was converging)"
+    return f"{head} {spent}; the model, optimizer, RNG and namespace were restored after each" + (
+        f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else "."
     )
 
 

@@ -221,12 +221,17 @@ def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
                     raise TrialStop(f"ran {backwards} backward passes")
             return out
 
+    # A stop raised before a torch call can land in a context manager's exit (no_grad's, a dtype
+    # switch's), which then never puts its mode back: the trial does.
+    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     handle = register_optimizer_step_post_hook(after_step)
     try:
         with Bounded():
             yield counter
     finally:
         handle.remove()
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(dtype)
 
 
 def _what_filled(recorder: Any, spaces: list, timeline: Any = None) -> Breakdown | None:

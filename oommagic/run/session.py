@@ -15,8 +15,9 @@ from typing import Any
 
 from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
+from ..diagnosis.kinds import kind_of, rewrite_again
 from ..diagnosis.plan import with_measured
-from .fixes import spec_of, spec_with
+from .fixes import spec_of, spec_with, undo
 from .release import drop_new_blas_workspaces
 from .runner import Attempt, Bounds, RunSpec, execute
 
@@ -75,16 +76,18 @@ class Session:
         the fixes already in force."""
         fixes = (fixes,) if isinstance(fixes, Remedy) else tuple(fixes)
         for remedy in fixes:
+            kind_of(remedy)  # an unknown kind is refused before anything is freed or run
             if not remedy.automatic:
                 raise ValueError(
                     f"{remedy.title}: not something a retry can apply; the snippet shows how to do it"
                 )
         for remedy in fixes:
-            if remedy.kind == "free_leftovers":
+            frees = kind_of(remedy).frees
+            if frees == "names":
                 from .release import free_names
 
                 free_names(self.shell.user_ns, remedy.params.get("names", []), measure=lambda: 0)
-            elif remedy.kind == "free_pinned":
+            elif frees == "pinned":
                 from .release import free_pinned
 
                 free_pinned(self.shell, run.device)
@@ -92,24 +95,11 @@ class Session:
 
     def remove(self, run: CellRun, index: int) -> CellRun:
         """Run ``run``'s cell again without the fix at ``index`` of ``run.applied`` (the others stay)."""
-        from ..diagnosis.remedies import reapply
-
         kept = run.applied[:index] + run.applied[index + 1 :]
         source = run.original or run.source
         for remedy in kept:
-            source = reapply(source, remedy, run.context.helpers if run.context else ())
-        undone = run.applied[index]
-        if undone.kind == "batch" and undone.params.get("where") in ("namespace", "option"):
-            self.shell.user_ns[undone.params["name"]] = undone.params["old"]
-        if undone.kind == "batch" and undone.params.get("where") == "attribute":
-            from .fixes import set_attribute
-
-            set_attribute(self.shell.user_ns, undone.params["name"], undone.params["old"])
-            if undone.params.get("accumulation"):
-                path, old_steps, _ = undone.params["accumulation"]
-                set_attribute(self.shell.user_ns, path, old_steps)
-            for path, old, _ in undone.params.get("mirrors", []):
-                set_attribute(self.shell.user_ns, path, old)
+            source = rewrite_again(source, remedy, run.context.helpers if run.context else ())
+        undo(run.applied[index], self.shell.user_ns)
         spec = RunSpec(
             source=source,
             options=run.options,

@@ -575,3 +575,41 @@ def test_a_training_function_the_cell_defines_and_calls_gets_micro_batches_of_it
 def test_no_micro_batches_are_written_where_the_step_is_not_on_whole_tensors_of_the_namespace(cell):
     new = micro_batch_source(cell, ("X", "y"), 64, 16)
     assert new is None, new
+
+
+def test_a_loop_bound_written_with_the_batch_keeps_the_samples_it_sees():
+    cell = (
+        "bs = 16\n"
+        "for i in range(0, 3 * bs, bs):\n"
+        "    xb = X[i:i + bs]\n"
+        "    loss = model(xb).sum()\n"
+        "    loss.backward()\n"
+    )
+    new = rewrite_batch(cell, BatchGuess("bs", 16), 4)
+    assert new is not None
+    assert "bs = 4\n" in new
+    # The stop still reads 48 samples; the step and the slice follow the new batch.
+    assert "range(0, 3 * 16, bs)" in new and "X[i:i + bs]" in new
+
+
+def test_a_source_that_steps_an_optimizer_or_a_trainer_is_told_from_one_that_only_switches_modes():
+    from oommagic.diagnosis.source import steps_optimizer
+
+    assert steps_optimizer("loss.backward()\nopt.step()\n")
+    assert steps_optimizer("scaler.step(optimizer)\nscaler.update()\n")
+    assert steps_optimizer("trainer.train()\n")
+    assert steps_optimizer("model.fit(X, y, epochs=2)\n")
+    assert not steps_optimizer("model.train()\nloss = model(x).sum()\nloss.backward()\n")
+
+
+def test_the_step_of_a_loop_over_slices_is_the_batch_whatever_its_name():
+    cell = (
+        "B = 32\n"
+        "with torch.inference_mode():\n"
+        "    for start in range(0, len(docs), B):\n"
+        "        ids = collate(docs[start:start + B])\n"
+        "        h = encoder(input_ids=ids).last_hidden_state\n"
+    )
+    assert find_batch(cell, {}) == BatchGuess("B", 32, "source")
+    assert find_batch(cell.replace("B = 32\n", ""), {"B": 16}) == BatchGuess("B", 16, "namespace")
+    assert "B = 8\n" in rewrite_batch(cell, BatchGuess("B", 32, "source"), 8)

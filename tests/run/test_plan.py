@@ -181,3 +181,60 @@ def test_plan_budget_zero_measures_nothing(shell, run_cell):
 
 def _diff(a, b):
     return [k for k in a if not same({k: a[k]}, {k: b[k]})]
+
+
+def test_a_fix_of_an_unknown_kind_is_refused_before_the_cell_runs(trained, run_cell):
+    from oommagic.diagnosis.findings import Remedy
+    from oommagic.diagnosis.kinds import UnknownFixKind
+
+    run_cell(TRAIN.replace("--no-raise", "--no-raise --plan-budget 0"))
+    run = oommagic.history()[-1]
+    runs = len(oommagic.history())
+    steps_before = trained.user_ns["sched"].last_epoch
+    unknown = Remedy("smaller_model", "Use a smaller model", automatic=True, new_source="pass\n")
+    with pytest.raises(UnknownFixKind, match="smaller_model"):
+        session_for(trained).retry(run, unknown)
+    assert len(oommagic.history()) == runs, "nothing ran"
+    assert trained.user_ns["sched"].last_epoch == steps_before
+
+
+def test_every_setting_a_kind_holds_is_one_the_run_can_hold():
+    from oommagic.diagnosis.kinds import KINDS
+    from oommagic.run.fixes import HOLDS
+
+    named = {row.hold for row in KINDS.values() if row.hold}
+    assert named == set(HOLDS)
+
+
+# The loop's length is computed from the batch before the loop: a smaller batch shortens it, and with
+# accumulation over more micro-batches than the loop then has, the rewritten cell never steps.
+SHORTENED = """%%gpumem --limit 24MiB --quiet --no-raise --plan-budget 60
+batch_size = 64
+n = 2 * batch_size
+for i in range(0, n, batch_size):
+    x = torch.ones(batch_size, 64, 256)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_rewrite_that_would_take_no_optimizer_step_is_never_offered_as_fitting(trained, run_cell):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    run_cell(SHORTENED)
+    run = oommagic.history()[-1]
+    assert run.outcome == "oom"
+    assert any("took no optimizer step" in e.note for e in run.plan.entries), [
+        e.line() for e in run.plan.entries
+    ]
+    # Every entry offered as fitting, pressed, takes the two optimizer steps the cell as written takes.
+    for entry in [e for e in run.plan.entries if e.verdict == "fits"]:
+        steps: list[int] = []
+        handle = register_optimizer_step_post_hook(lambda *_, steps=steps: steps.append(1))
+        try:
+            pressed = session_for(trained).retry(run, entry.fixes)
+        finally:
+            handle.remove()
+        assert pressed.outcome == "ok", entry.line()
+        assert len(steps) == 2, entry.line()

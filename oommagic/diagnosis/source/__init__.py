@@ -88,6 +88,7 @@ from .training import (
     autocasts,
     checkpoints,
     step_call,
+    steps_optimizer,
     trains,
     whole_step,
 )
@@ -153,6 +154,7 @@ __all__ = [
     "step_batch",
     "step_call",
     "step_literals",
+    "steps_optimizer",
     "string_value",
     "target_names",
     "tokenizer_calls",

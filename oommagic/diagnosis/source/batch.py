@@ -92,8 +92,16 @@ def find_batch(
     if name:
         value = namespace_names.get(name)
         return BatchGuess(name, value, "option") if _is_count(value) else None
+    # `for i in range(0, len(docs), B)` slicing `docs[i:i + B]`: the loop's step is the batch whatever its
+    # name, bound in the cell or read from the namespace.
+    stepping = _stepping_names(tree) if tree is not None else set()
+    for site in sites:
+        value = int_literal(site.value)
+        if site.name in stepping and value is not None and value >= 2:
+            return BatchGuess(site.name, value, "source")
     # `DataLoader(ds, batch_size=n)`: the variable behind a batch keyword counts whatever its name.
     behind = {s.value.id for s in sites if s.name in BATCH_NAMES and isinstance(s.value, ast.Name)}
+    behind |= stepping
     for names in ({*BATCH_NAMES[:-1], *behind}, set(BATCH_NAMES[-1:])):
         for ref in _loads(tree, source):
             if ref in names and _is_count(namespace_names.get(ref)):
@@ -169,6 +177,38 @@ def step_batch(source: str) -> BatchGuess | None:
             continue
         return BatchGuess(f"range(…, {step})", step, "step")
     return None
+
+
+def _stepping_names(tree: ast.Module) -> set[str]:
+    """The names that step a ``range`` loop over slices: ``B`` of ``for i in range(0, n, B)`` whose body
+    slices ``x[i:i + B]``."""
+    found = set()
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
+            continue
+        it = loop.iter
+        if not (isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3):
+            continue
+        step = it.args[2]
+        if isinstance(step, ast.Name) and _slices_by(loop, loop.target.id, step.id):
+            found.add(step.id)
+    return found
+
+
+def _slices_by(loop: ast.AST, index: str, name: str) -> bool:
+    """Whether ``loop`` slices ``x[index:index + name]``."""
+    for node in ast.walk(loop):
+        if not (isinstance(node, ast.Slice) and isinstance(node.lower, ast.Name) and node.lower.id == index):
+            continue
+        upper = node.upper
+        sides = (
+            (upper.left, upper.right)
+            if isinstance(upper, ast.BinOp) and isinstance(upper.op, ast.Add)
+            else ()
+        )
+        if any(isinstance(side, ast.Name) and side.id == name for side in sides):
+            return True
+    return False
 
 
 def _step_slices(loop: ast.AST, index: str, step: int) -> list[ast.expr]:

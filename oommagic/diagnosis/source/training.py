@@ -251,6 +251,27 @@ def trains(source: str) -> bool:
     return False
 
 
+def steps_optimizer(source: str) -> bool:
+    """Whether the source steps an optimizer itself (``opt.step()``, ``scaler.step(opt)``) or hands the
+    stepping to a trainer (``trainer.train()``, ``trainer.fit(...)``, ``model.fit(...)``)."""
+    tree = tree_of(source)
+    if tree is None:
+        return False
+    for node in ast.walk(tree):
+        if step_call(node) == "step":
+            return True
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("fit", "train")
+        ):
+            # model.train() only switches the mode: a trainer's train() takes arguments or is a trainer's.
+            owner = dotted_name(node.func.value).rsplit(".", 1)[-1].lower()
+            if node.func.attr == "fit" or "trainer" in owner:
+                return True
+    return False
+
+
 def autocasts(source: str) -> bool:
     """Whether the cell runs under autocast itself (``torch.autocast(...)``, ``bf16=True``/``fp16=True``)."""
     if any(d.rsplit(".", 1)[-1] == "autocast" for d in called_names(source)):
