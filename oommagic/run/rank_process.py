@@ -74,8 +74,10 @@ class RankTarget:
 class RankRecorder:
     """Records this rank process: its peak, its out-of-memory error, its GPU contexts; stops it when
     another rank fails; writes one result file. In CPU mode the tensor tracker with the per-rank limit;
-    on CUDA nothing touches the GPU before the user's code does (no stray context of our own): the limit
-    is set when CUDA starts, on the device ``index`` (the local rank), and the figures are read at the end.
+    on CUDA nothing touches a GPU before the user's code does, and nothing but the rank's own device after
+    (no stray context of our own): the limit goes on the device the rank chooses (``RankLimit``), and the
+    figures are read at the end from the device the rank worked on (``own_device``), without opening a
+    context anywhere.
     """
 
     def __init__(self, directory: str, limit: str | None, device: str, index: int) -> None:
@@ -85,6 +87,7 @@ class RankRecorder:
         self.index = index
         self.pid = os.getpid()
         self._cpu: Any = None
+        self._limit: RankLimit | None = None
         self._lock = threading.Lock()
         self._written = False
         self._done = threading.Event()
@@ -98,8 +101,9 @@ class RankRecorder:
         if self.device == "cpu":
             self._cpu = _cpu_recorder(self.limit)
             self._cpu.__enter__()
-        else:
-            _limit_cuda_on_start(self.limit, self.index)
+        elif self.limit is not None:
+            self._limit = RankLimit(self.limit, self.index)
+            self._limit.install()
         self._watcher = threading.Thread(target=self._watch, name="oommagic-rank-watch", daemon=True)
         self._watcher.start()
         return self
@@ -110,6 +114,8 @@ class RankRecorder:
         if self._cpu is not None:
             with contextlib.suppress(Exception):
                 self._cpu.__exit__(None, None, None)
+        if self._limit is not None:
+            self._limit.remove()
         if exc is None:
             self._report("ok")
             return False
@@ -169,7 +175,7 @@ class RankRecorder:
                 return False
             self._written = True
         result = self._figures()
-        result.update(status=status, stopped_by=stopped_by, failed_at=failed_at)
+        result.update(status=status, stopped_by=stopped_by, failed_at=failed_at, ended_at=time.time())
         if exc is not None:
             message = _message(exc)
             report = parse_oom(message) if status == "oom" else None
@@ -215,30 +221,97 @@ def _cpu_recorder(limit: str | None) -> Any:
     return CpuRecorder(limit_bytes(limit, host_memory()), timeline=False)
 
 
-def _limit_cuda_on_start(limit: str | None, index: int) -> None:
-    if limit is None:
-        return
-    import torch
+def start_device(index: int, count: int) -> int | None:
+    """The device a rank that has not chosen one works on by convention when its CUDA starts: its local
+    rank ``index``; device 0 where it sees one device (``CUDA_VISIBLE_DEVICES`` set per rank); None where
+    ``index`` is not a device it sees (then nothing is set for it)."""
+    if index < count:
+        return index
+    return 0 if count == 1 else None
 
-    def apply() -> None:
-        if index < torch.cuda.device_count():
-            _, total = torch.cuda.mem_get_info(index)
-            nbytes = limit_bytes(limit, total) or total
-            torch.cuda.set_per_process_memory_fraction(min(nbytes / total, 1.0), index)
 
-    # Queued until the user's code starts CUDA (run at once where it already has, in a forked rank).
-    torch.cuda._lazy_call(apply)
+def own_device(peaks: dict[int, int], current: int, index: int, count: int) -> int:
+    """The device a rank worked on: the one where its allocator reserved the most (the current device
+    on a tie), else the current device where the rank set one, else by convention ``start_device``.
+    ``peaks`` maps each device the process sees to its peak reserved bytes."""
+    used = {d: n for d, n in peaks.items() if n > 0}
+    if used:
+        return max(used, key=lambda d: (used[d], d == current, -d))
+    if current != 0:
+        return current
+    found = start_device(index, count)
+    return found if found is not None else current
+
+
+class RankLimit:
+    """``--limit`` in a rank on CUDA, set on the rank's own device and nowhere else (setting it opens a
+    context on that device). A rank that calls ``torch.cuda.set_device`` gets it on that device, after
+    its call; one that never does gets it on ``start_device`` when its code starts CUDA (torch's queue of
+    calls run at lazy initialisation). A ``set_device`` that itself starts CUDA runs the queue before the
+    device is set: the queued call leaves it to the ``set_device`` that is under way."""
+
+    def __init__(self, limit: str, index: int) -> None:
+        self.limit = limit
+        self.index = index
+        self.applied: set[int] = set()
+        self._choosing = False
+        self._original: Any = None
+        self._torch: Any = None
+
+    def install(self) -> None:
+        import torch
+
+        self._torch = torch
+        self._original = torch.cuda.set_device
+        torch.cuda.set_device = self._set_device
+        torch.cuda._lazy_call(self._on_start)
+
+    def remove(self) -> None:
+        if self._torch is not None and self._torch.cuda.set_device is self._set_device:
+            self._torch.cuda.set_device = self._original
+
+    def _set_device(self, device: Any) -> None:
+        self._choosing = True
+        try:
+            self._original(device)
+        finally:
+            self._choosing = False
+        with contextlib.suppress(Exception):
+            self._apply(self._torch.cuda.current_device())
+
+    def _on_start(self) -> None:
+        if self._choosing:
+            return
+        # Queued calls run inside torch's lazy initialisation: an error here would reach the rank's code.
+        with contextlib.suppress(Exception):
+            device = start_device(self.index, self._torch.cuda.device_count())
+            if device is not None:
+                self._apply(device)
+
+    def _apply(self, device: int) -> None:
+        if device in self.applied:
+            return
+        torch = self._torch
+        _, total = torch.cuda.mem_get_info(device)
+        nbytes = limit_bytes(self.limit, total) or total
+        torch.cuda.set_per_process_memory_fraction(min(nbytes / total, 1.0), device)
+        self.applied.add(device)
 
 
 def _cuda_figures(index: int, limit: str | None) -> dict:
+    """The rank's figures on its own device, read from the allocator's statistics, the device's
+    properties and NVML: none of them opens a CUDA context (``mem_get_info`` would, on a device the rank
+    may never have used)."""
     import torch
 
     if not torch.cuda.is_initialized():
         return {"device": "cpu"}
-    device = torch.cuda.current_device()
+    count = torch.cuda.device_count()
+    peaks = {d: torch.cuda.memory_stats(d).get("reserved_bytes.all.peak", 0) for d in range(count)}
+    device = own_device(peaks, torch.cuda.current_device(), index, count)
     stats = torch.cuda.memory_stats(device)
     reserved_now = stats.get("reserved_bytes.all.current", 0)
-    _, total = torch.cuda.mem_get_info(device)
+    total = torch.cuda.get_device_properties(device).total_memory
     contexts = _nvml_contexts(os.getpid())
     used_here = dict(contexts).get(device)
     return {

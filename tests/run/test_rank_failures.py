@@ -1,0 +1,77 @@
+"""No hang, whatever fails where: DDP over gloo, two ranks forked from a ``%%gpumem`` cell (as
+``notebook_launcher`` forks them), rank 1 out of memory under the per-rank CPU ``--limit`` in the forward
+pass, inside the backward pass (a gradient hook: rank 0's bucket all-reduce waits for it) or in the
+optimizer step. Without the tool rank 0 waits in its next collective until gloo's timeout (300 s here);
+with it every rank ends within 30 s of the first failure and no process is left.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from oommagic.run.ranks import alive
+from tests.run.test_ranks import free_port, last_run
+
+MiB = 1024**2
+
+DDP_CELL = """
+import datetime, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+def ddp(rank, port, overrun_rank, phase):
+    torch.set_num_threads(1)  # a forked child hangs in libgomp's barrier if it reuses the kernel's pool
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=300))
+    model = DistributedDataParallel(torch.nn.Linear(256, 256))
+    optimizer = torch.optim.Adam(model.parameters())
+    state = {"step": 0}
+    def overrun(*_):
+        if rank == overrun_rank and state["step"] == 1:
+            torch.empty(80 * 1024 * 1024, dtype=torch.uint8)
+    if phase == "forward":
+        model.module.register_forward_pre_hook(overrun)
+    elif phase == "backward":
+        model.module.weight.register_hook(overrun)
+    else:
+        optimizer.register_step_pre_hook(overrun)
+    for step in range(4):
+        state["step"] = step
+        model(torch.randn(16, 256)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.destroy_process_group()
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ddp_imports_before_the_fork():
+    """DDP's first construction imports torch._dynamo (~800 modules, 8 s on a loaded CI core): imported
+    once here, each forked rank inherits it instead of importing it on its own."""
+    import torch._dynamo  # noqa: F401
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "step"])
+def test_no_rank_waits_after_one_runs_out(run_cell, phase):
+    # Joined by hand, as a launcher of one's own does: nothing but the tool ends rank 0 (torch's own join
+    # would terminate it), and nothing raises in the cell.
+    result, out = run_cell(
+        "%%gpumem --limit 64MiB --device cpu --text\n"
+        + DDP_CELL
+        + f"ranks = mp.start_processes(ddp, args=({free_port()}, 1, {phase!r}), nprocs=2,"
+        " start_method='fork', join=False)\nfor process in ranks.processes:\n    process.join()"
+    )
+    ended = time.time()
+    run = last_run()
+    assert run.outcome == "oom", out
+    # No launcher raised: the cell ends as it would without the tool, its headline names the rank.
+    assert result.error_in_exec is None and not run.raised
+    assert run.headline().startswith("rank 1 (cpu) ran out of memory asking for 80.00 MiB")
+    first = run.ranks.failed_first
+    assert (first.rank, first.status, first.requested) == (1, "oom", 80 * MiB)
+    # Stopped by the tool, before gloo noticed anything.
+    stopped = run.ranks.results[0]
+    assert (stopped.status, stopped.stopped_by) == ("stopped", 1)
+    assert ended - first.failed_at <= 30, f"the cell ended {ended - first.failed_at:.1f} s after the failure"
+    assert all(r.ended_at - first.failed_at <= 30 for r in run.ranks.results)
+    assert not any(alive(r.pid) for r in run.ranks.results), "a rank is still running"
