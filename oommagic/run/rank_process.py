@@ -174,7 +174,10 @@ class RankRecorder:
             if self._written:
                 return False
             self._written = True
-        result = self._figures()
+        # The report is written whatever a reading below meets: a rank without one reads as "lost".
+        result: dict[str, Any] = {"pid": self.pid}
+        with contextlib.suppress(Exception):
+            result = self._figures()
         result.update(status=status, stopped_by=stopped_by, failed_at=failed_at, ended_at=time.time())
         if exc is not None:
             message = _message(exc)
@@ -184,7 +187,8 @@ class RankRecorder:
             exact = getattr(self._cpu, "exact", None) or {}
             if exact.get("requested"):
                 result["requested"] = exact["requested"]
-        result.update(_state_bytes(frames or []))
+        with contextlib.suppress(Exception):
+            result.update(_state_bytes(frames or []))
         result["rank"] = _rank(self.index)
         name = f"{status}-rank{result['rank']}-pid{self.pid}"
         write(self.directory, name, result)
@@ -410,12 +414,19 @@ def _state_bytes(frames: list[Any]) -> dict:
     def size(tensors: Any) -> int:
         total = 0
         for t in tensors:
-            if isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor):
+                continue
+            # FSDP2's parameters are DTensors: this rank holds their local shard. A tensor subclass with
+            # no storage of its own counts its elements.
+            t = t.to_local() if hasattr(t, "to_local") else t
+            try:
                 storage = t.untyped_storage()
-                key = storage.data_ptr() or id(storage)
-                if key not in seen:
-                    seen.add(key)
-                    total += storage.nbytes()
+                key, nbytes = storage.data_ptr() or id(storage), storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                key, nbytes = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
         return total
 
     params = [p for m in modules.values() for p in m.parameters()]

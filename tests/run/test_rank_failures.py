@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from oommagic.run.ranks import alive
 from tests.run.test_ranks import free_port, last_run
@@ -75,3 +76,35 @@ def test_no_rank_waits_after_one_runs_out(run_cell, phase):
     assert ended - first.failed_at <= 30, f"the cell ended {ended - first.failed_at:.1f} s after the failure"
     assert all(r.ended_at - first.failed_at <= 30 for r in run.ranks.results)
     assert not any(alive(r.pid) for r in run.ranks.results), "a rank is still running"
+
+
+class Sharded(torch.Tensor):
+    """A tensor with no storage of its own, as FSDP2's DTensor parameters are."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            return Sharded(args[0].shape)
+        raise NotImplementedError(func)
+
+
+def test_a_rank_with_sharded_parameters_reports_its_failure(tmp_path):
+    """A report that could not read the rank's parameters is still written: without it, the rank that ran
+    out reads as "lost" and the cell cannot say which rank failed (seen with FSDP2 on two H100s)."""
+    import json
+
+    from oommagic.run.rank_process import RankRecorder
+
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(Sharded((4, 4)))
+    with pytest.raises(torch.OutOfMemoryError), RankRecorder(str(tmp_path), None, "cpu", 0):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB. GPU 0 has a total ...")
+    (report,) = tmp_path.glob("oom-rank0-*.json")
+    result = json.loads(report.read_text())
+    assert result["status"] == "oom" and result["requested"] == 6 * 1024**3
+    assert result["params"] == 4 * 4 * 4 + 4 * 4  # the shard's elements, and the bias's storage
+    assert model is not None
