@@ -48,18 +48,21 @@ def check(before):
 """
 
 # One training function for every launcher: DDP (or FSDP2) over NCCL; ``overrun`` asks for 6 GiB at step 3
-# of ``phase`` on rank ``overrun_rank``. Each rank chooses its device first (set_device).
+# of ``phase`` on rank ``overrun_rank``. Each rank chooses its device first (``set_device``), or, with
+# ``choose=False``, names it on every call and never sets it (the current device stays cuda:0 in every rank).
 TRAIN = """
 import datetime, os, torch, torch.distributed as dist
 
-def train(rank, world, phase, overrun_rank, wrap="ddp", port=None):
-    torch.cuda.set_device(rank)
+def train(rank, world, phase, overrun_rank, wrap="ddp", port=None, choose=True):
+    device = torch.device("cuda", rank)
+    if choose:
+        torch.cuda.set_device(device)
     kwargs = {}
     if port is not None:
         kwargs = {"init_method": f"tcp://127.0.0.1:{port}", "rank": rank, "world_size": world}
-    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), **kwargs)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=device, **kwargs)
     layers = (torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
-    model = torch.nn.Sequential(*layers).cuda()
+    model = torch.nn.Sequential(*layers).to(device)
     if wrap == "fsdp2":
         from torch.distributed.fsdp import fully_shard
         for layer in (model[0], model[2]):
@@ -74,7 +77,7 @@ def train(rank, world, phase, overrun_rank, wrap="ddp", port=None):
     state = {"step": 0}
     def overrun(*_):
         if rank == overrun_rank and state["step"] == 3:
-            torch.empty(6 * 1024**3, dtype=torch.uint8, device="cuda")
+            torch.empty(6 * 1024**3, dtype=torch.uint8, device=device)
     if phase == "forward":
         inner[0].register_forward_pre_hook(overrun)
     elif phase == "backward":
@@ -83,10 +86,10 @@ def train(rank, world, phase, overrun_rank, wrap="ddp", port=None):
         optimizer.register_step_pre_hook(overrun)
     for step in range(20):
         state["step"] = step
-        model(torch.randn(64, 4096, device="cuda")).square().mean().backward()
+        model(torch.randn(64, 4096, device=device)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device)
     dist.destroy_process_group()
 """
 
@@ -172,7 +175,8 @@ import os, oommagic
 from gpu_train import train
 
 with oommagic.rank_recorder():
-    train(int(os.environ["LOCAL_RANK"]), 2, "step", 0)
+    # As the issue's script: the device named on every call, never set (rank 1's current device is cuda:0).
+    train(int(os.environ["LOCAL_RANK"]), 2, "step", 0, choose=False)
 """
 
 
