@@ -108,3 +108,39 @@ def test_a_rank_with_sharded_parameters_reports_its_failure(tmp_path):
     assert result["status"] == "oom" and result["requested"] == 6 * 1024**3
     assert result["params"] == 4 * 4 * 4 + 4 * 4  # the shard's elements, and the bias's storage
     assert model is not None
+
+
+TORCHRUN_SCRIPT = """
+import datetime, torch, torch.distributed as dist, oommagic
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    model = torch.nn.Linear(256, 256)
+    for step in range(4):
+        model(torch.randn(16, 256)).sum().backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        if dist.get_rank() == 0 and step == 1:
+            torch.empty(80 * 1024 * 1024, dtype=torch.uint8)
+    dist.destroy_process_group()
+
+with oommagic.rank_recorder():
+    main()
+"""
+
+
+def test_torchrun_from_the_cell(run_cell, tmp_path):
+    """``!torchrun`` returns when a rank fails: the cell does not fail (as without the tool), and its
+    headline says which rank ran out, asking for what."""
+    (tmp_path / "train.py").write_text(TORCHRUN_SCRIPT)
+    result, out = run_cell(
+        "%%gpumem --limit 64MiB --device cpu --text\nimport os, sys\npath = os.pathsep.join(sys.path)\n"
+        f"!PYTHONPATH={{path}} {{sys.executable}} -m torch.distributed.run --nproc_per_node 2"
+        f" --master_port {free_port()} {tmp_path / 'train.py'}"
+    )
+    run = last_run()
+    assert result.error_in_exec is None and run.outcome == "oom" and not run.raised, out
+    assert "%%gpumem [OUT OF MEMORY] rank 0 (cpu) ran out of memory asking for 80.00 MiB" in out
+    assert [r.rank for r in run.ranks.results] == [0, 1]
+    assert run.ranks.results[1].status in ("stopped", "lost")
+    assert not any(alive(r.pid) for r in run.ranks.results)
