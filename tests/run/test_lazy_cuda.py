@@ -57,7 +57,7 @@ def test_a_forked_rank_does_not_start_the_kernels_recording():
         pid = os.fork()
         if pid == 0:  # the rank: its CUDA start runs the inherited queue
             start()
-            os._exit(0 if recorder._queued is not None and not recorder.started else 1)
+            os._exit(0 if recorder._waiting and not recorder.started else 1)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
 

@@ -48,12 +48,13 @@ def open_recorder(
         limit = _resolve_limit(limit, capacity, warnings, "this machine's memory")
         return CpuRecorder(limit, timeline, stacks)
     recorder = CudaRecorder(index, timeline=timeline, stacks=stacks)
-    if recorder.capacity is None and isinstance(limit, float):
-        recorder.limit_fraction = limit  # resolved once the cell starts CUDA and the capacity is known
-    elif recorder.capacity is None:
-        recorder.limit = limit
-    else:
+    if recorder.capacity is not None:
         recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
+    elif not isinstance(limit, float):
+        recorder.limit = limit
+    if isinstance(limit, float) and (recorder.limit is not None or recorder.capacity is None):
+        # Resolved again once the cell starts CUDA, against the capacity the driver reports.
+        recorder.limit_fraction = limit
     return recorder
 
 

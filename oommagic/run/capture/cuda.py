@@ -94,12 +94,16 @@ class CudaRecorder:
         self.device = f"cuda:{index}"
         self._nvml = handle_for(index)
         self.capacity = _capacity(torch, index, self._nvml)
+        # NVML's total counts memory the driver keeps (~0.5 GiB on an H100): where CUDA has not started,
+        # the capacity and a fractional limit are read again from the driver when the cell starts it.
+        self._capacity_read = torch.cuda.is_initialized()
         self.limit = limit
-        self.limit_fraction: float | None = None  # a fractional --limit no capacity could resolve yet
+        self.limit_fraction: float | None = None  # a fractional --limit, resolved against the capacity
         self._torch = torch
         self._pid = os.getpid()
         self._started = False  # the allocator's recording is on for this cell
-        self._queued: Any = None  # the start waiting in torch's lazy-initialisation queue
+        self._queued: Any = None  # the start put in torch's lazy-initialisation queue
+        self._waiting = False  # it has not run yet
         self._owns_history = False
         self._owned_history = False
         self._old_fraction: float | None = None
@@ -131,7 +135,7 @@ class CudaRecorder:
             if when == "now":
                 self._begin()
             else:
-                self._queued = self._begin_with_the_cell
+                self._queued, self._waiting = self._begin_with_the_cell, True
                 self._torch.cuda._lazy_call(self._queued)
         except BaseException:
             self._restore()
@@ -146,10 +150,11 @@ class CudaRecorder:
         torch = self._torch
         _attach_oom_observer()
         self._oom_from = len(_oom_events)
-        if self.capacity is None:
+        if not self._capacity_read:
             self.capacity = torch.cuda.mem_get_info(self.index)[1]
-        if self.limit is None and self.limit_fraction is not None:
-            self.limit = int(self.limit_fraction * self.capacity)
+            self._capacity_read = True
+            if self.limit_fraction is not None:
+                self.limit = int(self.limit_fraction * self.capacity)
         if self.limit is not None:
             getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
             self._old_fraction = getter(self.index) if getter else 1.0
@@ -169,9 +174,9 @@ class CudaRecorder:
         """The start queued for torch's lazy initialisation. A rank forked from the kernel inherits the
         queue: there it does nothing (the rank records itself, on its own device). An error here would
         reach the cell as torch's DeferredCudaCallError: the figures are lost instead, not the cell."""
-        if start_when(False, os.getpid() == self._pid) == "never" or self._queued is None:
+        if start_when(False, os.getpid() == self._pid) == "never" or not self._waiting:
             return
-        self._queued = None
+        self._waiting = False
         try:
             self._begin()
         except Exception:
@@ -179,9 +184,10 @@ class CudaRecorder:
                 self._restore()
 
     def _unqueue(self) -> None:
-        """The queued start taken back out of torch's queue: a cell that never started CUDA leaves none
-        behind (it would start a recording in a later cell's initialisation)."""
-        queued, self._queued = self._queued, None
+        """The queued start taken back out of torch's queue, run or not: one that never ran would start a
+        recording in a later cell's initialisation, and torch keeps the queue (and this recorder, its
+        snapshot and timeline with it) for the life of the process."""
+        queued, self._queued, self._waiting = self._queued, None, False
         if queued is None:
             return
         calls = getattr(self._torch.cuda, "_queued_calls", None)
