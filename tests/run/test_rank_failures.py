@@ -1,8 +1,11 @@
-"""No hang, whatever fails where: DDP over gloo, two ranks forked from a ``%%gpumem`` cell (as
-``notebook_launcher`` forks them), rank 1 out of memory under the per-rank CPU ``--limit`` in the forward
-pass, inside the backward pass (a gradient hook: rank 0's bucket all-reduce waits for it) or in the
-optimizer step. Without the tool rank 0 waits in its next collective until gloo's timeout (300 s here);
-with it every rank ends within 30 s of the first failure and no process is left.
+"""No hang, whatever fails where: DDP or FSDP2 over gloo, two ranks forked from a ``%%gpumem`` cell (as
+``notebook_launcher`` forks them) and joined by hand, rank 1 out of memory under the per-rank CPU
+``--limit`` in the forward pass, inside the backward pass (a gradient hook: rank 0's bucket all-reduce
+waits for it) or in the optimizer step: rank 0 is stopped by the tool while it waits in a collective,
+every rank ends within 30 s of the first failure, no process is left, and the headline names the rank.
+(On gloo a peer that exits breaks the collective at once; the wait NCCL shows is measured on two GPUs in
+``tests/gpu/test_gpu_rank_launchers.py``.) Also here: a rank whose parameters have no storage of their
+own still reports, and ``!torchrun`` from a cell.
 """
 
 from __future__ import annotations
@@ -20,20 +23,28 @@ MiB = 1024**2
 DDP_CELL = """
 import datetime, torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
-def ddp(rank, port, overrun_rank, phase):
+def ddp(rank, port, overrun_rank, phase, wrap):
     torch.set_num_threads(1)  # a forked child hangs in libgomp's barrier if it reuses the kernel's pool
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=300))
-    model = DistributedDataParallel(torch.nn.Linear(256, 256))
+    layer = torch.nn.Linear(256, 256)
+    if wrap == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        model = fully_shard(torch.nn.Sequential(layer), mesh=init_device_mesh("cpu", (2,)))
+    else:
+        model = DistributedDataParallel(torch.nn.Sequential(layer))
     optimizer = torch.optim.Adam(model.parameters())
     state = {"step": 0}
     def overrun(*_):
         if rank == overrun_rank and state["step"] == 1:
             torch.empty(80 * 1024 * 1024, dtype=torch.uint8)
     if phase == "forward":
-        model.module.register_forward_pre_hook(overrun)
+        layer.register_forward_pre_hook(overrun)
+    elif phase == "backward" and wrap == "fsdp2":
+        layer.register_full_backward_hook(overrun)  # its reduce-scatter follows: rank 0 waits in it
     elif phase == "backward":
-        model.module.weight.register_hook(overrun)
+        layer.weight.register_hook(overrun)
     else:
         optimizer.register_step_pre_hook(overrun)
     for step in range(4):
@@ -52,14 +63,16 @@ def ddp_imports_before_the_fork():
     import torch._dynamo  # noqa: F401
 
 
-@pytest.mark.parametrize("phase", ["forward", "backward", "step"])
-def test_no_rank_waits_after_one_runs_out(run_cell, phase):
+@pytest.mark.parametrize(
+    ("wrap", "phase"), [("ddp", "forward"), ("ddp", "backward"), ("ddp", "step"), ("fsdp2", "backward")]
+)
+def test_no_rank_waits_after_one_runs_out(run_cell, wrap, phase):
     # Joined by hand, as a launcher of one's own does: nothing but the tool ends rank 0 (torch's own join
     # would terminate it), and nothing raises in the cell.
     result, out = run_cell(
         "%%gpumem --limit 64MiB --device cpu --text\n"
         + DDP_CELL
-        + f"ranks = mp.start_processes(ddp, args=({free_port()}, 1, {phase!r}), nprocs=2,"
+        + f"ranks = mp.start_processes(ddp, args=({free_port()}, 1, {phase!r}, {wrap!r}), nprocs=2,"
         " start_method='fork', join=False)\nfor process in ranks.processes:\n    process.join()"
     )
     ended = time.time()
