@@ -416,7 +416,7 @@ def test_headline_of_ranks_that_fit_names_the_largest_peak():
 
 
 def test_rank_reads_its_own_device():
-    from oommagic.run.rank_process import own_device, start_device
+    from oommagic.run.rank_cuda import own_device, start_device
 
     # Where its allocator reserved memory, whatever its local rank says.
     assert own_device({0: 0, 1: 5 * MiB}, current=0, index=0, count=2) == 1
