@@ -58,6 +58,8 @@ class CellRun:
     gpu_busy: float | None = None
     snapshot_ms: float | None = None
     ranks: Ranks | None = None  # per-rank figures when the cell started torch.distributed ranks
+    # False where a rank ran out under a launcher that returned (``!torchrun``): the cell does not fail.
+    raised: bool = True
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     # Thin readers over the recording: one source of truth for every figure.
@@ -131,6 +133,9 @@ class CellRun:
 
     def headline(self) -> str:
         """One line a person reads first."""
+        ranks = self.ranks
+        if ranks is not None and (ranks.out_of_memory is not None or self.outcome == "ok"):
+            return ranks.headline()  # the kernel's own figures say nothing of its ranks
         if self.outcome == "oom" and self.report is not None:
             return oom_headline(self.report, self.budget)
         if self.outcome == "oom":

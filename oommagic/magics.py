@@ -261,7 +261,7 @@ class GpuMemMagics(Magics):
             from .view import show
 
             show(run, session, text=options.text)
-        if run.outcome == "oom" and not options.no_raise:
+        if run.outcome == "oom" and run.raised and not options.no_raise:
             freed = f"; {format_bytes(run.freed)} given back" if run.freed else ""
             from .run.errors import out_of_memory_error
 

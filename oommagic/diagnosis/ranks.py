@@ -38,6 +38,7 @@ class RankResult:
     reserved: CUDA context, NCCL buffers);
     ``contexts`` the ``(cuda index, bytes)`` NVML lists for this PID on every GPU. ``state`` is the bytes of
     the weights, gradients and optimizer state the rank's frames held, where they could be read.
+    ``ended_at`` is when the rank wrote its report (its last act: it ends right after).
     """
 
     rank: int
@@ -58,6 +59,7 @@ class RankResult:
     grads: int | None = None
     optimizer_state: int | None = None
     left_running: bool = False
+    ended_at: float | None = None
 
     @property
     def budget(self) -> int | None:
@@ -174,6 +176,35 @@ class Ranks:
             report = replace(report, requested=failed.requested)
         return report
 
+    def headline(self) -> str:
+        """The cell's one line, said of its ranks: which ran out, on which device, asking for what, under
+        which budget; else the largest peak and whose it was."""
+        failed = self.out_of_memory
+        if failed is not None:
+            line = f"rank {failed.rank} ({failed.device}) ran out of memory"
+            if failed.requested:
+                line += f" asking for {fmt(failed.requested)}"
+            if failed.budget:
+                kind = "limit" if failed.limit is not None else "card"
+                line += f" with {fmt(failed.peak_reserved)} reserved of its {fmt(failed.budget)} {kind}"
+            return line + self._stopped()
+        if not self.results:
+            return "no rank reported"
+        top = max(self.results, key=lambda r: (r.peak_reserved, -r.rank))
+        what = "rank" if len(self.results) == 1 else f"{len(self.results)} ranks"
+        budget = f" of {fmt(top.budget)}" if top.budget else ""
+        return (
+            f"{what}: peak {fmt(top.peak_allocated)} allocated, {fmt(top.peak_reserved)} reserved{budget} "
+            f"on rank {top.rank} ({top.device})"
+        )
+
+    def _stopped(self) -> str:
+        stopped = [r.rank for r in self.results if r.status == "stopped"]
+        if not stopped:
+            return ""
+        names = ", ".join(map(str, stopped))
+        return f"; rank {names} was stopped" if len(stopped) == 1 else f"; ranks {names} were stopped"
+
     def summary(self) -> list[str]:
         """Sentences a person reads above the table."""
         lines = []
@@ -181,14 +212,7 @@ class Ranks:
         if first is not None:
             what = "ran out of memory" if first.status == "oom" else "failed"
             need = f" asking for {fmt(first.requested)}" if first.requested else ""
-            stopped = [r.rank for r in self.results if r.status == "stopped"]
-            after = ""
-            if stopped:
-                names = ", ".join(map(str, stopped))
-                after = (
-                    f"; rank {names} was stopped" if len(stopped) == 1 else f"; ranks {names} were stopped"
-                )
-            lines.append(f"rank {first.rank} {what} first{need}{after}")
+            lines.append(f"rank {first.rank} ({first.device}) {what} first{need}{self._stopped()}")
         neck = self.bottleneck
         if neck is not None and len(self.results) > 1 and neck.share is not None:
             lines.append(f"bottleneck: rank {neck.rank}, needing {neck.share:.0%} of its {fmt(neck.budget)}")

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..oom import is_oom, parse_oom
+from .rank_cuda import RankLimit, cuda_figures
 from .rank_files import ENV_DEVICE, ENV_DIR, ENV_LIMIT, failed_rank, limit_bytes, unreported, write
 
 POLL_S = 0.05
@@ -74,8 +75,10 @@ class RankTarget:
 class RankRecorder:
     """Records this rank process: its peak, its out-of-memory error, its GPU contexts; stops it when
     another rank fails; writes one result file. In CPU mode the tensor tracker with the per-rank limit;
-    on CUDA nothing touches the GPU before the user's code does (no stray context of our own): the limit
-    is set when CUDA starts, on the device ``index`` (the local rank), and the figures are read at the end.
+    on CUDA nothing touches a GPU before the user's code does, and nothing but the rank's own device after
+    (no stray context of our own): the limit goes on the device the rank chooses (``RankLimit``), and the
+    figures are read at the end from the device the rank worked on (``own_device``), without opening a
+    context anywhere.
     """
 
     def __init__(self, directory: str, limit: str | None, device: str, index: int) -> None:
@@ -85,6 +88,7 @@ class RankRecorder:
         self.index = index
         self.pid = os.getpid()
         self._cpu: Any = None
+        self._limit: RankLimit | None = None
         self._lock = threading.Lock()
         self._written = False
         self._done = threading.Event()
@@ -98,8 +102,9 @@ class RankRecorder:
         if self.device == "cpu":
             self._cpu = _cpu_recorder(self.limit)
             self._cpu.__enter__()
-        else:
-            _limit_cuda_on_start(self.limit, self.index)
+        elif self.limit is not None:
+            self._limit = RankLimit(self.limit, self.index)
+            self._limit.install()
         self._watcher = threading.Thread(target=self._watch, name="oommagic-rank-watch", daemon=True)
         self._watcher.start()
         return self
@@ -110,6 +115,8 @@ class RankRecorder:
         if self._cpu is not None:
             with contextlib.suppress(Exception):
                 self._cpu.__exit__(None, None, None)
+        if self._limit is not None:
+            self._limit.remove()
         if exc is None:
             self._report("ok")
             return False
@@ -168,8 +175,11 @@ class RankRecorder:
             if self._written:
                 return False
             self._written = True
-        result = self._figures()
-        result.update(status=status, stopped_by=stopped_by, failed_at=failed_at)
+        # The report is written whatever a reading below meets: a rank without one reads as "lost".
+        result: dict[str, Any] = {"pid": self.pid}
+        with contextlib.suppress(Exception):
+            result = self._figures()
+        result.update(status=status, stopped_by=stopped_by, failed_at=failed_at, ended_at=time.time())
         if exc is not None:
             message = _message(exc)
             report = parse_oom(message) if status == "oom" else None
@@ -178,7 +188,8 @@ class RankRecorder:
             exact = getattr(self._cpu, "exact", None) or {}
             if exact.get("requested"):
                 result["requested"] = exact["requested"]
-        result.update(_state_bytes(frames or []))
+        with contextlib.suppress(Exception):
+            result.update(_state_bytes(frames or []))
         result["rank"] = _rank(self.index)
         name = f"{status}-rank{result['rank']}-pid{self.pid}"
         write(self.directory, name, result)
@@ -196,7 +207,7 @@ class RankRecorder:
                 capacity=rec.capacity,
             )
             return figures
-        figures.update(_cuda_figures(self.index, self.limit))
+        figures.update(cuda_figures(self.index, self.limit))
         return figures
 
 
@@ -213,57 +224,6 @@ def _cpu_recorder(limit: str | None) -> Any:
     LEDGER.allocated = 0
     LEDGER.listener = None
     return CpuRecorder(limit_bytes(limit, host_memory()), timeline=False)
-
-
-def _limit_cuda_on_start(limit: str | None, index: int) -> None:
-    if limit is None:
-        return
-    import torch
-
-    def apply() -> None:
-        if index < torch.cuda.device_count():
-            _, total = torch.cuda.mem_get_info(index)
-            nbytes = limit_bytes(limit, total) or total
-            torch.cuda.set_per_process_memory_fraction(min(nbytes / total, 1.0), index)
-
-    # Queued until the user's code starts CUDA (run at once where it already has, in a forked rank).
-    torch.cuda._lazy_call(apply)
-
-
-def _cuda_figures(index: int, limit: str | None) -> dict:
-    import torch
-
-    if not torch.cuda.is_initialized():
-        return {"device": "cpu"}
-    device = torch.cuda.current_device()
-    stats = torch.cuda.memory_stats(device)
-    reserved_now = stats.get("reserved_bytes.all.current", 0)
-    _, total = torch.cuda.mem_get_info(device)
-    contexts = _nvml_contexts(os.getpid())
-    used_here = dict(contexts).get(device)
-    return {
-        "device": f"cuda:{device}",
-        "peak_allocated": stats.get("allocated_bytes.all.peak", 0),
-        "peak_reserved": stats.get("reserved_bytes.all.peak", 0),
-        "outside": max(used_here - reserved_now, 0) if used_here is not None else None,
-        "capacity": total,
-        "limit": limit_bytes(limit, total) if limit is not None else None,
-        "contexts": [list(c) for c in contexts],
-    }
-
-
-def _nvml_contexts(pid: int) -> list[tuple[int, int]]:
-    """``(cuda index, bytes)`` for every GPU where NVML lists ``pid`` (empty where NVML shows host PIDs
-    that differ from ours, in containers)."""
-    from ..devices import read_devices
-
-    report = read_devices()
-    found = []
-    for gpu in report.devices:
-        for proc in gpu.processes:
-            if proc.pid == pid and gpu.cuda_index is not None:
-                found.append((gpu.cuda_index, proc.used or 0))
-    return found
 
 
 def _rank(index: int) -> int:
@@ -337,12 +297,19 @@ def _state_bytes(frames: list[Any]) -> dict:
     def size(tensors: Any) -> int:
         total = 0
         for t in tensors:
-            if isinstance(t, torch.Tensor):
+            if not isinstance(t, torch.Tensor):
+                continue
+            # FSDP2's parameters are DTensors: this rank holds their local shard. A tensor subclass with
+            # no storage of its own counts its elements.
+            t = t.to_local() if hasattr(t, "to_local") else t
+            try:
                 storage = t.untyped_storage()
-                key = storage.data_ptr() or id(storage)
-                if key not in seen:
-                    seen.add(key)
-                    total += storage.nbytes()
+                key, nbytes = storage.data_ptr() or id(storage), storage.nbytes()
+            except (RuntimeError, NotImplementedError):
+                key, nbytes = id(t), t.numel() * t.element_size()
+            if key not in seen:
+                seen.add(key)
+                total += nbytes
         return total
 
     params = [p for m in modules.values() for p in m.parameters()]

@@ -63,6 +63,7 @@ class Attempt:
     snapshot: Any = None  # () -> the allocator snapshot dict (memory_viz format), or None
     snapshot_ms: float | None = None
     ranks: Ranks | None = None  # the ranks the cell started (torch.distributed), if any
+    raised: bool = True  # False: a rank ran out under a launcher that returned (``!torchrun``)
 
 
 class _Catch:
@@ -166,6 +167,12 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         elif exc is not None:
             attempt.outcome, attempt.error = "error", exc
             attempt.error_text = f"{type(exc).__name__}: {_message(exc)}"
+        elif rank_oom is not None and not interrupted:
+            # A launcher that returns when a rank fails (``!torchrun``, ``subprocess.run`` without
+            # ``check``): the run is out of memory, and the cell ends as it would without the tool.
+            attempt.outcome, attempt.report, attempt.raised = "oom", rank_oom, False
+            if scan:
+                attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, None, pins)
         elif result is not None and isinstance(result.error_in_exec, KeyboardInterrupt):
             interrupted = True
         del exc

@@ -188,6 +188,7 @@ class Session:
             gpu_busy=attempt.busy,
             snapshot_ms=attempt.snapshot_ms,
             ranks=attempt.ranks,
+            raised=attempt.raised,
         )
 
     def _plan(self, run: CellRun) -> Any:

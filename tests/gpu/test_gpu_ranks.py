@@ -113,6 +113,7 @@ def test_ddp_one_rank_out_of_memory(cell, ddp_module):
     # NCCL's timeout is 10 minutes: the cell ended long before it.
     assert took < 120
     assert run.report is not None and run.report.requested >= 6 * GiB
+    assert run.headline().startswith("rank 1 (cuda:1) ran out of memory asking for 6.00 GiB"), run.headline()
     if nvml_sees_our_pids():
         assert all(r.outside is not None and r.outside > 0 for r in ranks.results), "NVML used − reserved"
     # Every rank's memory is back: no process of the cell holds memory on either GPU.

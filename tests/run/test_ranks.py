@@ -100,7 +100,8 @@ def test_one_rank_out_of_memory_stops_the_others(run_cell, rank_module, world):
     assert not ranks.left_running
     # The gloo timeout is 300 s: the cell ended long before any collective could time out.
     assert took < 120
-    assert f"rank {overrun} ran out of memory first" in out
+    assert f"rank {overrun} (cpu) ran out of memory first" in out
+    assert run.headline().startswith(f"rank {overrun} (cpu) ran out of memory asking for 96.00 MiB")
     assert "OUT OF MEMORY (asked 96.00 MiB)" in out and f"stopped (rank {overrun} failed)" in out
     assert run.report is not None and run.report.requested == 96 * MiB and run.report.emulated
     assert run.plan is not None and "distributed" in run.plan.summary
@@ -205,7 +206,7 @@ def test_distributed_oom_in_a_kernel(tmp_path):
     )
     assert nbformat
     execute(nb, allow_errors=True, timeout=120)
-    assert "rank 1 ran out of memory first" in texts(nb.cells[1])
+    assert "rank 1 (cpu) ran out of memory first" in texts(nb.cells[1])
     assert texts(nb.cells[2]).strip() == "oom 1 ['stopped', 'oom'] False"
 
 
@@ -237,7 +238,7 @@ def test_first_failure_is_by_time_and_bottleneck_by_share():
     assert ranks.failed_first.rank == 2
     assert ranks.out_of_memory.rank == 2
     assert ranks.bottleneck.rank == 1  # 280 MiB needed of 256 MiB
-    assert ranks.summary()[0].startswith("rank 2 ran out of memory first asking for 20.00 MiB")
+    assert ranks.summary()[0].startswith("rank 2 (cpu) ran out of memory first asking for 20.00 MiB")
 
 
 def test_stray_contexts_from_nvml_process_data():
@@ -353,7 +354,12 @@ def test_views_show_a_row_per_rank():
         source="mp.spawn(train, nprocs=2)", recording=Recording(device="cpu"), outcome="oom", ranks=ranks
     )
     text = render_text(run)
-    assert "ranks: rank 1 ran out of memory first asking for 80.00 MiB; rank 0 was stopped" in text
+    assert "ranks: rank 1 (cpu) ran out of memory first asking for 80.00 MiB; rank 0 was stopped" in text
+    # The headline speaks of the rank that ran out, not of the kernel's own (empty) figures.
+    assert text.splitlines()[0] == (
+        "%%gpumem [OUT OF MEMORY] rank 1 (cpu) ran out of memory asking for 80.00 MiB with 200.00 MiB "
+        "reserved of its 256.00 MiB limit; rank 0 was stopped"
+    )
     assert "1001  100.00 MiB" not in text and "OUT OF MEMORY (asked 80.00 MiB)" in text
     html = ranks_html(run)
     assert html.count("<tr") == 3 and "stopped (rank 1 failed)" in html and "#c0392b" in html
@@ -399,3 +405,23 @@ def test_script_started_by_the_cell_records_itself(run_cell, tmp_path):
     run = last_run()
     assert run.outcome == "oom", out
     assert [(r.rank, r.status, r.requested) for r in run.ranks.results] == [(0, "oom", 96 * MiB)]
+    assert "rank 0 (cpu) ran out of memory asking for 96.00 MiB" in run.headline()
+
+
+def test_headline_of_ranks_that_fit_names_the_largest_peak():
+    ranks = Ranks.of([rank(0, peak=100 * MiB), rank(1, peak=150 * MiB, device="cuda:1")])
+    assert ranks.headline() == (
+        "2 ranks: peak 150.00 MiB allocated, 150.00 MiB reserved of 256.00 MiB on rank 1 (cuda:1)"
+    )
+
+
+def test_rank_reads_its_own_device():
+    from oommagic.run.rank_cuda import own_device, start_device
+
+    # Where its allocator reserved memory, whatever its local rank says.
+    assert own_device({0: 0, 1: 5 * MiB}, current=0, index=0, count=2) == 1
+    # The device it set, where it allocated nothing yet.
+    assert own_device({0: 0, 1: 0}, current=1, index=0, count=2) == 1
+    # By convention its local rank; one visible device per rank (CUDA_VISIBLE_DEVICES) is device 0.
+    assert own_device({0: 0, 1: 0}, current=0, index=1, count=2) == 1
+    assert start_device(1, 1) == 0 and start_device(3, 2) is None and start_device(1, 4) == 1

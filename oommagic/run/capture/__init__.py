@@ -48,25 +48,35 @@ def open_recorder(
         limit = _resolve_limit(limit, capacity, warnings, "this machine's memory")
         return CpuRecorder(limit, timeline, stacks)
     recorder = CudaRecorder(index, timeline=timeline, stacks=stacks)
-    recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
+    if recorder.capacity is not None:
+        recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
+    elif not isinstance(limit, float):
+        recorder.limit = limit
+    if isinstance(limit, float) and (recorder.limit is not None or recorder.capacity is None):
+        # Resolved again once the cell starts CUDA, against the capacity the driver reports.
+        recorder.limit_fraction = limit
     return recorder
 
 
 def _resolve_device(device: str | None, torch: Any) -> tuple[str, int]:
+    """(kind, index). Starts no CUDA: the device count comes from NVML where torch can read it
+    (``torch.cuda.is_available`` initialises the driver, which a later fork cannot survive), and the
+    current device is 0 until CUDA runs."""
     spec = (device or "").strip().lower()
     if spec == "cpu":
         return "cpu", 0
+    started = torch.cuda.is_initialized()
+    count = torch.cuda.device_count()
     if not spec:
-        if torch.cuda.is_available():
+        if started:
             return "cuda", torch.cuda.current_device()
-        return "cpu", 0
+        return ("cuda", 0) if count > 0 else ("cpu", 0)
     index_text = spec.removeprefix("cuda").lstrip(":") or "0"
     if not index_text.isdigit():
         raise OptionError(f"--device expects cpu, cuda, cuda:N or N, got {device!r}")
-    if not torch.cuda.is_available():
+    if count == 0:
         raise OptionError(f"--device {device}: CUDA is not available here (use --device cpu for CPU mode)")
     index = int(index_text)
-    count = torch.cuda.device_count()
     if index >= count:
         raise OptionError(f"--device {device}: this process sees {count} CUDA device(s), 0..{count - 1}")
     return "cuda", index

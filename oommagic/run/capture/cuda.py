@@ -1,14 +1,22 @@
 """CUDA mode: the caching allocator's own history replayed into a timeline, ``memory_stats`` for the
-exact peaks, the out-of-memory observer for the exact request."""
+exact peaks, the out-of-memory observer for the exact request.
+
+Nothing here starts CUDA on the cell's behalf. Where the kernel has not started it when the cell begins
+(a notebook about to fork its ranks with ``notebook_launcher`` must not have), the recording starts when
+the cell's own code starts CUDA, from torch's queue of calls run at its lazy initialisation; until then
+the figures come from NVML, and a cell that never starts CUDA leaves it unstarted.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from typing import Any
 
 from ...categories import Breakdown, breakdown
 from ...timeline import Timeline
-from .nvml import BusySampler, device_memory, handle_for
+from .nvml import BusySampler, device_memory, handle_for, total_memory
 from .record import Recording, StepMarks, collector_paused
 from .roles import StepRoles, cuda_key, now_us, observe
 from .trace import (
@@ -54,14 +62,25 @@ def _attach_oom_observer() -> None:
     _observer_attached = True
 
 
+def start_when(initialised: bool, own_process: bool = True) -> str:
+    """When a recorder starts the allocator's recording: ``"now"`` where CUDA runs in this process;
+    ``"with the cell's CUDA"`` where it does not yet (queued for torch's lazy initialisation, so the cell,
+    not the tool, starts CUDA); ``"never"`` in another process that inherited the queue by a fork (a rank
+    records itself, on its own device)."""
+    if not own_process:
+        return "never"
+    return "now" if initialised else "with the cell's CUDA"
+
+
 class CudaRecorder:
     """Records a CUDA device through the caching allocator's own history and ``memory_stats``.
 
-    Initialises CUDA. Turns history recording on for the cell (``context=None``: no stack capture) unless
-    the user was already recording, in which case their recording is left exactly as it was. With
-    ``limit`` it sets ``set_per_process_memory_fraction`` and restores the previous fraction after.
-    ``timeline=False`` leaves the history alone and takes no snapshot: no cost per allocation, the peak
-    still exact, the timeline only the start and the end.
+    Starts no CUDA itself (``start_when``): constructing, entering and leaving it with CUDA unstarted
+    calls nothing that initialises it. Once CUDA runs it turns history recording on for the cell
+    (``context=None``: no stack capture) unless the user was already recording, in which case their
+    recording is left exactly as it was. With ``limit`` it sets ``set_per_process_memory_fraction`` and
+    restores the previous fraction after. ``timeline=False`` leaves the history alone and takes no
+    snapshot: no cost per allocation, the peak still exact, the timeline only the start and the end.
     """
 
     def __init__(
@@ -73,10 +92,18 @@ class CudaRecorder:
         self.stacks = stacks
         self.index = index
         self.device = f"cuda:{index}"
-        _, total = torch.cuda.mem_get_info(index)
-        self.capacity = total
+        self._nvml = handle_for(index)
+        self.capacity = _capacity(torch, index, self._nvml)
+        # NVML's total counts memory the driver keeps (~0.5 GiB on an H100): where CUDA has not started,
+        # the capacity and a fractional limit are read again from the driver when the cell starts it.
+        self._capacity_read = torch.cuda.is_initialized()
         self.limit = limit
+        self.limit_fraction: float | None = None  # a fractional --limit, resolved against the capacity
         self._torch = torch
+        self._pid = os.getpid()
+        self._started = False  # the allocator's recording is on for this cell
+        self._queued: Any = None  # the start put in torch's lazy-initialisation queue
+        self._waiting = False  # it has not run yet
         self._owns_history = False
         self._owned_history = False
         self._old_fraction: float | None = None
@@ -91,7 +118,6 @@ class CudaRecorder:
         self._peak = (0, 0)
         self._oom_from = 0
         self._steps = StepRoles(cuda_key(index), now_us)
-        self._nvml = handle_for(index)
         self._busy = BusySampler(self._nvml)
         self.at_failure: Breakdown | None = None
         self.snapshot_ms: float | None = None
@@ -102,34 +128,86 @@ class CudaRecorder:
         return counters(self._torch, self.index)[0]
 
     def __enter__(self) -> CudaRecorder:
-        torch = self._torch
-        _attach_oom_observer()
-        self._oom_from = len(_oom_events)
+        self._start = time.time()
+        when = start_when(self._torch.cuda.is_initialized())
         try:
-            if self.limit is not None:
-                getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-                self._old_fraction = getter(self.index) if getter else 1.0
-                torch.cuda.set_per_process_memory_fraction(self.limit / self.capacity, self.index)
-                if counters(torch, self.index)[1] > self.limit:
-                    # The fraction is checked when a segment is reserved: cached segments beyond the
-                    # limit would let the cell run past a card that could never have held them.
-                    torch.cuda.empty_cache()
-            if self.timeline and not torch._C._cuda_isHistoryEnabled():
-                self._skipped = record_history(torch, self.stacks)
-                self._owns_history = True
             self._marks.install(self._steps)
+            if when == "now":
+                self._begin()
+            else:
+                self._queued, self._waiting = self._begin_with_the_cell, True
+                self._torch.cuda._lazy_call(self._queued)
         except BaseException:
             self._restore()
             raise
-        torch.cuda.reset_peak_memory_stats(self.index)
-        self._before = counters(torch, self.index)[:2]
-        self._start = time.time()
         self._busy.start()
         return self
+
+    def _begin(self) -> None:
+        """Start recording: the OOM observer, the limit, the allocator's history, the peaks from here.
+        Run with CUDA started, or from torch's lazy initialisation (where ``memory_stats`` still reads
+        ``{}`` and the cell has allocated nothing yet)."""
+        torch = self._torch
+        _attach_oom_observer()
+        self._oom_from = len(_oom_events)
+        if not self._capacity_read:
+            self.capacity = torch.cuda.mem_get_info(self.index)[1]
+            self._capacity_read = True
+            if self.limit_fraction is not None:
+                self.limit = int(self.limit_fraction * self.capacity)
+        if self.limit is not None:
+            getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+            self._old_fraction = getter(self.index) if getter else 1.0
+            torch.cuda.set_per_process_memory_fraction(self.limit / self.capacity, self.index)
+            if counters(torch, self.index)[1] > self.limit:
+                # The fraction is checked when a segment is reserved: cached segments beyond the
+                # limit would let the cell run past a card that could never have held them.
+                torch.cuda.empty_cache()
+        if self.timeline and not torch._C._cuda_isHistoryEnabled():
+            self._skipped = record_history(torch, self.stacks)
+            self._owns_history = True
+        torch.cuda.reset_peak_memory_stats(self.index)
+        self._before = counters(torch, self.index)[:2]
+        self._started = True
+
+    def _begin_with_the_cell(self) -> None:
+        """The start queued for torch's lazy initialisation. A rank forked from the kernel inherits the
+        queue: there it does nothing (the rank records itself, on its own device). An error here would
+        reach the cell as torch's DeferredCudaCallError: the figures are lost instead, not the cell."""
+        if start_when(False, os.getpid() == self._pid) == "never" or not self._waiting:
+            return
+        self._waiting = False
+        try:
+            self._begin()
+        except Exception:
+            with contextlib.suppress(Exception):
+                self._restore()
+
+    def _unqueue(self) -> None:
+        """The queued start taken back out of torch's queue, run or not: one that never ran would start a
+        recording in a later cell's initialisation, and torch keeps the queue (and this recorder, its
+        snapshot and timeline with it) for the life of the process."""
+        queued, self._queued, self._waiting = self._queued, None, False
+        if queued is None:
+            return
+        calls = getattr(self._torch.cuda, "_queued_calls", None)
+        with contextlib.suppress(Exception), self._torch.cuda._initialization_lock:
+            calls[:] = [entry for entry in calls if entry[0] is not queued]
+
+    @property
+    def started(self) -> bool:
+        """Whether CUDA ran for this cell: started before it, or by its code."""
+        return self._started
 
     def __exit__(self, *exc: Any) -> None:
         torch = self._torch
         self._busy.stop()
+        self._unqueue()
+        if not self._started:
+            # The cell never started CUDA: nothing to read, and reading would start it.
+            self._end = time.time()
+            self._restore()
+            return
         # The snapshot's entries are replayed and packed before the collector runs again: they are gone
         # (their columns stay) before it could walk them.
         with collector_paused():
@@ -169,11 +247,14 @@ class CudaRecorder:
         """Mean GPU busy percentage NVML reported while the cell ran (None without NVML)."""
         return self._busy.mean
 
-    def capture_failure(self, spaces: list) -> Breakdown:
+    def capture_failure(self, spaces: list) -> Breakdown | None:
         """The breakdown now, at an out-of-memory error, before anything is given back: the allocator's
         snapshot (kept: it is the one ``%gpumem --snapshot`` writes, and the timeline's trace) for the live
         blocks and the cache, the roles from the namespace and the failed frames (``spaces``), NVML for the
-        memory outside PyTorch and the other processes. Sums to NVML's used memory of the device."""
+        memory outside PyTorch and the other processes. Sums to NVML's used memory of the device. None
+        where the cell never started CUDA (the failure was not on this device)."""
+        if not self._started:
+            return None
         t0 = time.perf_counter()
         self._snapshot = self._take_snapshot()
         self.snapshot_ms = (time.perf_counter() - t0) * 1e3
@@ -188,12 +269,14 @@ class CudaRecorder:
         ``--no-timeline`` on a run that did not fail): what ``torch.cuda.memory._snapshot()`` returns."""
         return None if self._snapshot is None else unpacked(self._snapshot)
 
-    def categories(self, spaces: list, timeline: Timeline) -> Breakdown:
+    def categories(self, spaces: list, timeline: Timeline) -> Breakdown | None:
         """After the cell: at the failure if there was one; else at the peak replayed from the trace (the
         roles from the namespace now and the optimizer steps around the peak; memory outside PyTorch read
-        at the end); without a timeline, at the end."""
+        at the end); without a timeline, at the end. None where the cell never started CUDA."""
         if self.at_failure is not None:
             return self.at_failure
+        if not self._started:
+            return None
         with collector_paused():
             return self._at_peak(spaces, timeline)
 
@@ -288,6 +371,14 @@ class CudaRecorder:
             limit=self.limit,
             timeline=timeline,
         )
+
+
+def _capacity(torch: Any, index: int, handle: Any) -> int | None:
+    """The device's capacity: from the driver where CUDA runs, else from NVML (None without NVML: read
+    when the cell starts CUDA)."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.mem_get_info(index)[1]
+    return total_memory(handle)
 
 
 def counters(torch: Any, index: int) -> tuple[int, int, int, int]:

@@ -34,12 +34,17 @@ class DeviceMemory:
 @functools.cache
 def handle_for(index: int) -> Any:
     """The NVML handle of ``cuda:index`` (None without NVML), looked up once per process: NVML stays
-    initialised and the devices a process sees do not change. Initialises NVML, not CUDA."""
+    initialised and the devices a process sees do not change. Initialises NVML, never CUDA: where torch
+    has started CUDA the device is matched by the UUID torch reports, else by ``CUDA_VISIBLE_DEVICES``
+    (asking torch for the UUID would start CUDA, which a later fork, as ``notebook_launcher`` makes, cannot
+    survive)."""
     try:
         import pynvml
         import torch
 
         pynvml.nvmlInit()
+        if not torch.cuda.is_initialized():
+            return _handle_by_ordinal(pynvml, index)
         uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", "")).removeprefix("GPU-")
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
@@ -48,6 +53,33 @@ def handle_for(index: int) -> Any:
             if uuid and u == uuid:
                 return h
         return pynvml.nvmlDeviceGetHandleByIndex(index) if not uuid else None
+    except Exception:
+        return None
+
+
+def _handle_by_ordinal(pynvml: Any, index: int) -> Any:
+    from ...devices import cuda_ordinals
+
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+    uuids = []
+    for h in handles:
+        u = pynvml.nvmlDeviceGetUUID(h)
+        uuids.append(u.decode() if isinstance(u, bytes) else u)
+    for nvml_index, ordinal in cuda_ordinals(os.environ.get("CUDA_VISIBLE_DEVICES"), uuids).items():
+        if ordinal == index:
+            return handles[nvml_index]
+    return None
+
+
+def total_memory(handle: Any) -> int | None:
+    """The device's whole memory in bytes as NVML reports it (None without NVML): what
+    ``torch.cuda.mem_get_info`` gives as its total, read without starting CUDA."""
+    if handle is None:
+        return None
+    try:
+        import pynvml
+
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
     except Exception:
         return None
 
