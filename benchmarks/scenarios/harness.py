@@ -20,6 +20,7 @@ import time
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MARK = "@@SC@@"
 STATE: dict = {}
@@ -50,7 +51,7 @@ def _count_samples(module, args, kwargs) -> None:
 def count_work(ns) -> None:
     """Hook the optimizer steps (once) and the outermost models of the namespace; zero the counts."""
     if not STATE.get("step_hook"):
-        STATE["step_hook"] = torch.optim.optimizer.register_optimizer_step_post_hook(_count_step)
+        STATE["step_hook"] = register_optimizer_step_post_hook(_count_step)
     models = [o for o in objects(ns).values() if isinstance(o, torch.nn.Module)]
     inner = {id(m) for o in models for m in o.modules() if m is not o}
     for m in models:
