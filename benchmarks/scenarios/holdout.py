@@ -465,7 +465,7 @@ for step, (images, labels) in enumerate(train_dl):
         break
 print(f"loss {loss.item():.3f}")"""),
     ],
-    cpu=dict(px=16, patch=4, dim=96, depth=2, n=512, batch=128, steps=2),
+    cpu=dict(px=32, patch=4, dim=96, depth=2, n=512, batch=64, steps=2),
     gpu=dict(px=224, patch=16, dim=512, depth=8, n=1024, batch=256, steps=2),
     expect="a loader of batch // 8, 8 micro-batches per optimizer step",
     control="""
@@ -618,8 +618,8 @@ opt = torch.optim.Adam(lm.parameters(), lr=1e-3)""",
         card("p_a", "p_b", 1, 2, 'S["room"]'),
         oom(LM_LOOP.replace("{B}", 'S["batch"]').replace("{N}", 'S["steps"]')),
     ],
-    cpu=dict(vocab=8000, d=128, seq=64, n=128, batch=32, room=4, steps=2),
-    gpu=dict(vocab=64000, d=1024, seq=1024, n=64, batch=16, room=2, steps=2),
+    cpu=dict(vocab=8000, d=128, seq=64, n=128, batch=32, room=8, steps=2),
+    gpu=dict(vocab=64000, d=1024, seq=1024, n=64, batch=16, room=4, steps=2),
     expect="mb // 8 with accumulation (or a chunked cross-entropy)",
     control="""
 mb, k = S["batch"], 8

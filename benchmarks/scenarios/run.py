@@ -265,12 +265,12 @@ def judge(res: dict) -> dict:
 
 
 def work_kept(res: dict) -> bool | None:
-    """Did the accepted run do the cell's work: its optimizer steps and training samples at least the
-    declared ones, its check true? None where nothing was accepted or nothing is declared."""
+    """Did the accepted run do the cell's work: its optimizer steps and training samples the
+    declared ones (more is other work too: a second pass over the data), its check true? None where nothing was accepted or nothing is declared."""
     acc = res.get("work_accepted")
     if acc is None or not (res.get("work_expected") or "work_check" in res):
         return None
-    ok = all(acc.get(k, 0) >= v for k, v in res.get("work_expected", {}).items())
+    ok = all(acc.get(k, 0) == v for k, v in res.get("work_expected", {}).items())
     return ok and res.get("work_check", {}).get("check", True)
 
 
