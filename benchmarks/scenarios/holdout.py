@@ -868,6 +868,58 @@ add(
     notes="a smaller batch with accumulation fits but computes another loss (fewer negatives per sample)",
 )
 
+# 15b. Lightning's trainer.validate with a loader made in an earlier cell (skipped without lightning) -----
+LIT = """import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class LitRegressor(L.LightningModule):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+                                 nn.Linear(hidden, 1))
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.mse_loss(self.net(x).squeeze(-1), y)
+        self.log("val_loss", loss)
+        return loss
+
+
+val_ds = TensorDataset(torch.randn(S["n"], S["dim"]), torch.randn(S["n"]))
+lit = LitRegressor(S["dim"], S["hidden"])
+trainer = L.Trainer(accelerator="gpu" if device == "cuda" else "cpu", devices=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+"""
+add(
+    "lightning_validate_loader",
+    "Lightning trainer.validate on a val loader made in an earlier cell, its batch too large",
+    [
+        LIT,
+        probe(
+            "p_a",
+            'trainer.validate(lit, DataLoader(TensorDataset(*val_ds[:S["pa"]]), batch_size=S["pa"]), verbose=False)',
+        ),
+        probe(
+            "p_b",
+            'trainer.validate(lit, DataLoader(TensorDataset(*val_ds[:S["pb"]]), batch_size=S["pb"]), verbose=False)',
+        ),
+        card("p_a", "p_b", 'S["pa"]', 'S["pb"]', 'S["room"]')
+        + '\nval_loader = DataLoader(val_ds, batch_size=S["batch"], num_workers=0)',
+        oom("""
+metrics = trainer.validate(lit, dataloaders=val_loader, verbose=False)
+print(metrics)"""),
+    ],
+    cpu=dict(dim=256, hidden=2048, n=8192, pa=128, pb=256, room=512, batch=4096),
+    gpu=dict(dim=1024, hidden=16384, n=65536, pa=1024, pb=2048, room=4096, batch=32768),
+    needs=("lightning",),
+    expect="a val loader of batch // 8",
+    control="""
+metrics = trainer.validate(lit, dataloaders=DataLoader(val_ds, batch_size=S["batch"] // 8), verbose=False)""",
+    work={"check": 'metrics[0]["val_loss"] > 0'},
+    notes="not run on the tester's CPU machine (lightning is not installed there)",
+)
+
 # 16. Unfittable: SGD training of a model whose fp32 weights are 1.5x the card ---------------------------
 add(
     "unfit_sgd_weights",
