@@ -615,7 +615,9 @@ opt = torch.optim.Adam(lm.parameters(), lr=1e-3)""",
         ),
         probe("p_a", LM_LOOP.replace("{B}", "1").replace("{N}", "2")),
         probe("p_b", LM_LOOP.replace("{B}", "2").replace("{N}", "2")),
-        card("p_a", "p_b", 1, 2, 'S["room"]'),
+        # The probes at 1 and 2 rows are ruled by the first AdamW step, not the logits: the card is sized from
+        # the logits, their log-softmax and its gradient (3 x rows x seq x vocab floats) of `room` rows.
+        'LIMIT = mib(p_b.peak_reserved + S["room"] * S["seq"] * S["vocab"] * 4 * 3)\nLIMIT',
         oom(LM_LOOP.replace("{B}", 'S["batch"]').replace("{N}", 'S["steps"]')),
     ],
     cpu=dict(vocab=8000, d=128, seq=64, n=128, batch=32, room=8, steps=2),

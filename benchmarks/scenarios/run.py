@@ -359,6 +359,7 @@ def summary(results: list[dict]) -> str:
     unfit = [r for r in ran if not r["fit_exists"]]
     first = sum(r["first_click_fit"] for r in fit)
     two = sum(r["within_two"] for r in fit)
+    kept_first = sum(r["first_click_fit"] and r.get("work_kept") is not False for r in fit)
     unf_ok = sum(r["says_unfittable"] and not r["false_fits"] for r in unfit)
     mem = sum(r["memory_ok"] for r in ran)
     ck = sum(r["checksums_equal"] for r in ran)
@@ -367,6 +368,8 @@ def summary(results: list[dict]) -> str:
     kept = sum(bool(r["work_kept"]) for r in judged)
     lines = [
         f"- first click fits: {first} of {len(fit)} fittable scenarios ({100 * first / max(len(fit), 1):.0f}%; goal ≥ 90%)",
+        f"- first click fits and keeps the cell's work (no fewer or more optimizer steps or samples): {kept_first} "
+        f"of {len(fit)}",
         f"- fit within two clicks: {two} of {len(fit)} (goal: all)",
         f"- unfittable said so and offered nothing that fails: {unf_ok} of {len(unfit)} (goal: all)",
         f"- memory back to at most 2 MiB above the level before after every failure: {mem} of {len(ran)} "
