@@ -512,6 +512,48 @@ pred = trainer.predict(test_ds)""",
     work={"check": 'pred.predictions.shape[0] == S["n"]'},
 )
 
+# 9b. HF Trainer.evaluate with compute_metrics, the Trainer made in an earlier cell ---------------------
+add(
+    "trainer_eval_metrics_logits",
+    "HF Trainer.evaluate with a compute_metrics that reads the logits: gathered on the device, they outgrow it",
+    [
+        GPT2
+        + """import numpy as np
+from transformers import Trainer, TrainingArguments
+eval_cfg = dict(output_dir="/tmp/holdout-eval", report_to=[], disable_tqdm=True, use_cpu=(device == "cpu"),
+                per_device_eval_batch_size=S["batch"])
+val_ids = torch.randint(0, S["vocab"], (S["n"], S["seq"]))
+val_ds = [{"input_ids": x, "labels": x} for x in val_ids]
+
+
+def token_accuracy(eval_pred):
+    logits, labels = eval_pred
+    return {"token_acc": float((logits[:, :-1].argmax(-1) == labels[:, 1:]).mean())}
+""",
+        probe("setup", "model = GPT2LMHeadModel(config).to(device)"),
+        probe(
+            "p1",
+            'Trainer(model=model, args=TrainingArguments(**eval_cfg), eval_dataset=val_ds[:S["batch"]],\n'
+            "        compute_metrics=token_accuracy).evaluate()",
+        ),
+        """all_logits = S["n"] * S["seq"] * S["vocab"] * 4
+LIMIT = mib(p1.peak_reserved + 0.3 * all_logits)
+trainer = Trainer(model=model, args=TrainingArguments(**eval_cfg), eval_dataset=val_ds,
+                  compute_metrics=token_accuracy)
+LIMIT""",
+        oom("""
+metrics = trainer.evaluate()
+print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})"""),
+    ],
+    cpu={**GPT2_CPU, "vocab": 3000, "seq": 64, "n": 96, "batch": 16},
+    gpu={**GPT2_GPU, "vocab": 32000, "n": 192, "batch": 16},
+    expect="eval_accumulation_steps=1 (or preprocess_logits_for_metrics keeping the argmax)",
+    control="""
+metrics = Trainer(model=model, args=TrainingArguments(**eval_cfg, eval_accumulation_steps=1), eval_dataset=val_ds,
+                  compute_metrics=token_accuracy).evaluate()""",
+    work={"check": '"eval_token_acc" in metrics'},
+)
+
 # 10. Encoder-decoder beam search returning several sequences per source ---------------------------------
 add(
     "t5_beams_return",
