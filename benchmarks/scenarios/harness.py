@@ -5,6 +5,10 @@ nothing of it is bound in the user's namespace, so the product's trials never se
   failing cell; a hook around the plan's measurement records checksums at the start and end of its trials.
 - ``after(ns)``: memory after the failure, checksums again, and the report (findings, plan, offered fixes).
 - ``click(ns, kind)``: presses a fix on the report widget and records the new run.
+- The work a run did: optimizer steps (a global optimizer step hook) and training samples (a forward
+  pre-hook on the namespace's outermost models, counting the leading dimension of the first tensor argument
+  of calls made in training mode with autograd on), counted from the failing cell's start to its plan's
+  first trial, and over each click; ``check(ns, expr)`` evaluates a scenario's own check after a click.
 Each prints one ``@@SC@@{json}`` line that the runner reads.
 """
 
@@ -16,10 +20,50 @@ import time
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 MARK = "@@SC@@"
 STATE: dict = {}
 LIBS = ("transformers", "lightning", "pytorch_lightning", "accelerate")
+
+
+WORK = {"on": False, "steps": 0, "samples": 0}
+HOOKED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    if WORK["on"]:
+        WORK["steps"] += 1
+
+
+def _rows(args, kwargs) -> int:
+    for v in list(args) + list(kwargs.values()):
+        if torch.is_tensor(v) and v.dim() > 0:
+            return int(v.shape[0])
+    return 0
+
+
+def _count_samples(module, args, kwargs) -> None:
+    if WORK["on"] and module.training and torch.is_grad_enabled():
+        WORK["samples"] += _rows(args, kwargs)
+
+
+def count_work(ns) -> None:
+    """Hook the optimizer steps (once) and the outermost models of the namespace; zero the counts."""
+    if not STATE.get("step_hook"):
+        STATE["step_hook"] = register_optimizer_step_post_hook(_count_step)
+    models = [o for o in objects(ns).values() if isinstance(o, torch.nn.Module)]
+    inner = {id(m) for o in models for m in o.modules() if m is not o}
+    for m in models:
+        if id(m) not in inner and m not in HOOKED:
+            m.register_forward_pre_hook(_count_samples, with_kwargs=True)
+            HOOKED.add(m)
+    WORK.update(on=True, steps=0, samples=0)
+
+
+def pause_work() -> dict:
+    WORK["on"] = False
+    return {"steps": WORK["steps"], "samples": WORK["samples"]}
 
 
 def emit(obj) -> None:
@@ -84,6 +128,9 @@ def install_hook() -> None:
 
     def measure_plan(session, run):
         ns = session.shell.user_ns
+        # The trials' steps are not the run's: the run's count stops where the plan starts.
+        if WORK["on"]:
+            STATE["work"] = pause_work()
         objs = objects(ns)
         start = sums(objs)
         t0 = time.perf_counter()
@@ -112,6 +159,8 @@ def before(ns) -> None:
     STATE["before_refs"] = {k: weakref.ref(o) for k, o in objs.items()}
     STATE["before_sums"] = sums(objs)
     STATE["trials"] = []
+    STATE.pop("work", None)
+    count_work(ns)
     emit({"before_mem": STATE["before_mem"], "objects": sorted(objs)})
 
 
@@ -165,6 +214,7 @@ def after(ns) -> None:
         "trials_hooked": len(trials),
         "plan_s": sum(t["plan_s"] for t in trials),
         "run": describe(runs[-1]) if runs else None,
+        "work": STATE.get("work") or pause_work(),
     }
     try:
         w = oommagic.report_widget()
@@ -184,15 +234,19 @@ def click(ns, kind: str | None = None) -> None:
         emit({"clicked": None, "fixes": []})
         return
     chosen = next((f for f in fixes if f["kind"] == kind), fixes[0]) if kind else fixes[0]
+    STATE.pop("work", None)
+    count_work(ns)
     t0 = time.perf_counter()
     try:
         run = w.click(chosen["kind"])
     except Exception as err:
+        pause_work()
         emit(
             {"clicked": chosen, "click_error": f"{type(err).__name__}: {err}", "s": time.perf_counter() - t0}
         )
         return
     s = time.perf_counter() - t0
+    work = STATE.get("work") or pause_work()
     emit(
         {
             "clicked": chosen,
@@ -201,5 +255,14 @@ def click(ns, kind: str | None = None) -> None:
             "mem": memory(),
             "before_mem": STATE["before_mem"],
             "next_fixes": fixes_of(w) if run.outcome != "ok" else [],
+            "work": work,
         }
     )
+
+
+def check(ns, expr: str) -> None:
+    """A scenario's check of the work done (an expression over the notebook's names), after a run."""
+    try:
+        emit({"check": bool(eval(expr, {"torch": torch}, dict(ns)))})
+    except Exception as err:
+        emit({"check": False, "check_error": f"{type(err).__name__}: {err}"})

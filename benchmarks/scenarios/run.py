@@ -10,6 +10,7 @@ checksums of every model / optimizer before the cell and around the plan's trial
     python benchmarks/scenarios/run.py --scale cpu            # every scenario, CPU sizes
     python benchmarks/scenarios/run.py --scale gpu            # real sizes on a CUDA machine
     python benchmarks/scenarios/run.py --only plain_loop --only leftovers
+    python benchmarks/scenarios/run.py --scale cpu --suite holdout   # the hold-out (holdout.py, HOLDOUT.md)
 
 Writes ``benchmarks/results/scenarios-<scale>.md`` and ``.json`` (and the executed notebooks under
 ``benchmarks/results/scenarios-<scale>/``). Needs oommagic on PYTHONPATH (the repository root is added).
@@ -18,6 +19,7 @@ Writes ``benchmarks/results/scenarios-<scale>.md`` and ``.json`` (and the execut
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import json
 import os
@@ -31,7 +33,8 @@ sys.path.insert(0, str(HERE))
 
 import nbformat  # noqa: E402
 from nbclient import NotebookClient  # noqa: E402
-from scenarios import BY_NAME, SCENARIOS, control_source, notebook  # noqa: E402
+
+SUITES = {"main": "scenarios", "holdout": "holdout"}
 
 MARK = "@@SC@@"
 MAX_CLICKS = 3
@@ -106,14 +109,27 @@ def skip_reason(s, scale: str) -> str | None:
     return None
 
 
-def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict:
-    s = BY_NAME[name]
+def load_suite(suite: str):
+    """The module of a suite: ``SCENARIOS``, ``BY_NAME``, ``notebook(name, scale)``, ``control_source``."""
+    return importlib.import_module(SUITES[suite])
+
+
+def expected_work(s, scale: str) -> dict:
+    """The scenario's declared steps / samples at this scale (expressions in its sizes ``S``)."""
+    sizes = s.gpu if scale == "gpu" else s.cpu
+    return {k: int(eval(v, {"S": sizes})) for k, v in s.work.items() if k in ("steps", "samples")}
+
+
+def run_scenario(name: str, scale: str, timeout: int, keep: Path | None, suite: str = "main") -> dict:
+    mod = load_suite(suite)
+    s = mod.BY_NAME[name]
     res: dict = {"name": name, "fit_exists": s.fit, "expect": s.expect, "notes": []}
     reason = skip_reason(s, scale)
     if reason:
         res.update(status="skipped", reason=reason)
         return res
-    nb = notebook(name, scale)
+    res["work_expected"] = expected_work(s, scale)
+    nb = mod.notebook(name, scale)
     drv = Driver(nb, timeout)
     t_start = time.perf_counter()
     oom_index = next(i for i, c in enumerate(nb.cells) if "oom-cell" in c.metadata.get("tags", []))
@@ -152,6 +168,7 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
             res["trial_changed"] = after["trial_changed"]
             res["trials_hooked"] = after["trials_hooked"]
             res["plan_s"] = round(after["plan_s"], 1)
+            res["work_original"] = after.get("work")
             if res.get("status") == "no oom":
                 return res
             res["clicks"] = []
@@ -179,6 +196,14 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
                         break
                     if run["outcome"] == "ok":
                         fitted_at = n
+                        res["work_accepted"] = rec.get("work")
+                        if s.work.get("check"):
+                            chk = records(
+                                drv.add(_h(f"check(get_ipython().user_ns, {s.work['check']!r})"))[0]
+                            )
+                            res["work_check"] = (
+                                chk[0] if chk else {"check": False, "check_error": "no record"}
+                            )
                         break
                     if run["outcome"] == "oom":
                         res["mem_after_failures"].append(rec["mem"] - rec["before_mem"])
@@ -191,7 +216,7 @@ def run_scenario(name: str, scale: str, timeout: int, keep: Path | None) -> dict
                 )
                 cell, _ = drv.add(
                     f"%%gpumem {limit_flag}--plan-budget 0 -o _control\n"
-                    + control_source(name, scale).strip("\n")
+                    + mod.control_source(name, scale).strip("\n")
                 )
                 err = error_of(cell)
                 res["control"] = "fits" if err is None else f"{err.ename}: {err.evalue[:200]}"
@@ -235,7 +260,32 @@ def judge(res: dict) -> dict:
     # it (a `batch`, an `out` of an earlier cell), and what they held went with the rebinding.
     res["memory_ok"] = all(d <= SLACK for d in res["mem_after_failures"])
     res["checksums_equal"] = not res["trial_changed"] and not res["cell_changed"]
+    res["work_kept"] = work_kept(res)
     return res
+
+
+def work_kept(res: dict) -> bool | None:
+    """Did the accepted run do the cell's work: its optimizer steps and training samples the
+    declared ones (more is other work too: a second pass over the data), its check true? None where nothing was accepted or nothing is declared."""
+    acc = res.get("work_accepted")
+    if acc is None or not (res.get("work_expected") or "work_check" in res):
+        return None
+    ok = all(acc.get(k, 0) == v for k, v in res.get("work_expected", {}).items())
+    return ok and res.get("work_check", {}).get("check", True)
+
+
+def work_note(res: dict) -> str:
+    acc, exp = res.get("work_accepted"), res.get("work_expected") or {}
+    if acc is None or res.get("work_kept") is None:
+        return ""
+    parts = [f"{k} {acc.get(k, 0)}/{v}" for k, v in exp.items()]
+    if "work_check" in res:
+        chk = res["work_check"]
+        parts.append(
+            "check " + ("ok" if chk.get("check") else f"failed {chk.get('check_error', '')}".strip())
+        )
+    text = "work " + ", ".join(parts)
+    return text if res["work_kept"] else f"**{text}**"
 
 
 def fmt_mib(d: int) -> str:
@@ -250,7 +300,10 @@ def row(res: dict) -> str:
     applied = []
     for c in res["clicks"]:
         if c.get("clicked"):
-            applied.append(f"{c['clicked']['kind']}→{(c.get('run') or {}).get('outcome', 'error')}")
+            verdict = c["clicked"].get("verdict")
+            applied.append(
+                f"{c['clicked']['kind']} [{verdict}]→{(c.get('run') or {}).get('outcome', 'error')}"
+            )
     notes = []
     if res["fit_exists"]:
         clicks = str(res["fitted_at"]) if res["fitted_at"] else f"no fit in {len(res['clicks'])}"
@@ -287,6 +340,8 @@ def row(res: dict) -> str:
         ck = "yes"
     if not res["trials_hooked"]:
         ck += " (no trials ran)"
+    if work_note(res):
+        notes.append(work_note(res))
     wall = f"{res['wall_s']:.1f}" if res.get("wall_s") else "–"
     notes.append(f"fail {res['oom_cell_s']:.1f}s (plan {res['plan_s']:.1f}s)")
     return f"| {name} | {clicks} | {first} | {'; '.join(applied) or 'none'} | {wall} | {mem} | {ck} | {'; '.join(notes)} |"
@@ -304,31 +359,44 @@ def summary(results: list[dict]) -> str:
     unfit = [r for r in ran if not r["fit_exists"]]
     first = sum(r["first_click_fit"] for r in fit)
     two = sum(r["within_two"] for r in fit)
+    kept_first = sum(r["first_click_fit"] and r.get("work_kept") is not False for r in fit)
     unf_ok = sum(r["says_unfittable"] and not r["false_fits"] for r in unfit)
     mem = sum(r["memory_ok"] for r in ran)
     ck = sum(r["checksums_equal"] for r in ran)
     trial_ck = sum(not r["trial_changed"] for r in ran)
+    judged = [r for r in ran if r.get("work_kept") is not None]
+    kept = sum(bool(r["work_kept"]) for r in judged)
     lines = [
         f"- first click fits: {first} of {len(fit)} fittable scenarios ({100 * first / max(len(fit), 1):.0f}%; goal ≥ 90%)",
+        f"- first click fits and keeps the cell's work (no fewer or more optimizer steps or samples): {kept_first} "
+        f"of {len(fit)}",
         f"- fit within two clicks: {two} of {len(fit)} (goal: all)",
         f"- unfittable said so and offered nothing that fails: {unf_ok} of {len(unfit)} (goal: all)",
         f"- memory back to at most 2 MiB above the level before after every failure: {mem} of {len(ran)} "
         "(goal: all; below it, the cell's rebinding let go of what its names held before)",
         f"- checksums equal before the cell and after the trials: {ck} of {len(ran)}; "
         f"unchanged by the trials themselves: {trial_ck} of {len(ran)} (goal: all)",
+        f"- accepted runs that kept the cell's work (optimizer steps, samples, the scenario's check): {kept} of "
+        f"{len(judged)} with work declared (goal: all)",
         f"- skipped or not run: {', '.join(r['name'] + ' (' + r.get('reason', r.get('status', '')) + ')' for r in results if r.get('status') != 'ran') or 'none'}",
     ]
     return "\n".join(lines)
 
 
-def _one(name: str, scale: str, timeout: int, keep: Path) -> dict:
-    return judge(run_scenario(name, scale, timeout, keep))
+def _one(name: str, scale: str, timeout: int, keep: Path, suite: str = "main") -> dict:
+    return judge(run_scenario(name, scale, timeout, keep, suite))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--only", action="append", help="a scenario name (repeatable)")
+    ap.add_argument(
+        "--suite",
+        choices=tuple(SUITES),
+        default="main",
+        help="main: scenarios.py; holdout: holdout.py, the notebooks written before the fixes (HOLDOUT.md)",
+    )
     ap.add_argument("--timeout", type=int, default=300, help="seconds per cell")
     ap.add_argument(
         "--plan-budget",
@@ -344,7 +412,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args(argv)
-    names = args.only or [s.name for s in SCENARIOS]
+    mod = load_suite(args.suite)
+    BY_NAME = mod.BY_NAME
+    names = args.only or [s.name for s in mod.SCENARIOS]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         ap.error(f"unknown scenario(s): {', '.join(unknown)}; known: {', '.join(BY_NAME)}")
@@ -354,7 +424,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jobs = args.jobs or (4 if args.scale == "gpu" else 1)
-    keep = out / f"scenarios-{args.scale}"
+    prefix = "scenarios" if args.suite == "main" else args.suite
+    keep = out / f"{prefix}-{args.scale}"
     t0 = time.perf_counter()
     done: dict[str, dict] = {}
 
@@ -370,20 +441,20 @@ def main(argv=None) -> int:
         from concurrent.futures import ProcessPoolExecutor, as_completed
 
         with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-            futures = [pool.submit(_one, n, args.scale, args.timeout, keep) for n in shared]
+            futures = [pool.submit(_one, n, args.scale, args.timeout, keep, args.suite) for n in shared]
             for f in as_completed(futures):
                 finished(f.result())
     else:
         for name in shared:
-            finished(_one(name, args.scale, args.timeout, keep))
+            finished(_one(name, args.scale, args.timeout, keep, args.suite))
     for name in alone:
-        finished(_one(name, args.scale, args.timeout, keep))
+        finished(_one(name, args.scale, args.timeout, keep, args.suite))
     results = [done[n] for n in names]
     total = time.perf_counter() - t0
     table = "\n".join([HEADER] + [row(r) for r in results])
     text = f"{table}\n\n{summary(results)}\n- total {total:.0f} s\n"
     print(text)
-    stem = f"scenarios-{args.scale}" + ("" if not args.only else "-" + "-".join(args.only)[:60])
+    stem = f"{prefix}-{args.scale}" + ("" if not args.only else "-" + "-".join(args.only)[:60])
     (out / f"{stem}.md").write_text(text)
     (out / f"{stem}.json").write_text(
         json.dumps({"scale": args.scale, "total_s": total, "results": results}, indent=1, default=str)

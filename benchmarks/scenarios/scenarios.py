@@ -96,6 +96,10 @@ class Scenario:
     notes: str = ""
     extra: list[str] = field(default_factory=list)
     control: str = ""  # the cell with the author's fix: run last, under the same LIMIT, to show a fit exists
+    # The work the cell does, to check the accepted run kept it: "steps" and "samples" (expressions in S:
+    # optimizer steps and training samples the cell takes), "check" (an expression over the notebook's
+    # names that is true after a run that did the whole work, e.g. "len(embeddings) == 192").
+    work: dict = field(default_factory=dict)
 
 
 # A setup cell that fails on purpose (the error is part of the story, e.g. an earlier out-of-memory error
@@ -999,9 +1003,13 @@ def literal(source: str, sizes: dict) -> str:
 def notebook(name: str, scale: str | None = None) -> nbformat.NotebookNode:
     """The scenario's notebook at ``scale`` (default ``$SCENARIO_SCALE``, else cpu): the cells carry that
     scale's sizes as literals; ``S`` (both scales' sizes, picked by ``SCENARIO_SCALE``) stays defined."""
+    return notebook_of(BY_NAME[name], scale)
+
+
+def notebook_of(s: Scenario, scale: str | None = None) -> nbformat.NotebookNode:
+    """``notebook`` for a scenario of any suite (this one, ``holdout.py``)."""
     import os
 
-    s = BY_NAME[name]
     scale = scale or os.environ.get("SCENARIO_SCALE", "cpu")
     sizes = s.gpu if scale == "gpu" else s.cpu
     nb = nbformat.v4.new_notebook()
@@ -1026,7 +1034,10 @@ def notebook(name: str, scale: str | None = None) -> nbformat.NotebookNode:
 
 
 def control_source(name: str, scale: str) -> str:
-    s = BY_NAME[name]
+    return control_source_of(BY_NAME[name], scale)
+
+
+def control_source_of(s: Scenario, scale: str) -> str:
     return literal(s.control, s.gpu if scale == "gpu" else s.cpu)
 
 
