@@ -640,9 +640,12 @@ def settings_batch(source: str, namespace: Mapping) -> BatchGuess | None:
     """The batch setting of a trainer the cell drives (``trainer.train()`` with its TrainingArguments made
     in an earlier cell): ``trainer.args.per_device_train_batch_size``, or the evaluation batch when the cell
     evaluates; with the accumulation setting beside it. Read from instance dicts only."""
+    tree = cell.tree_of(source)
+    # A trainer the cell makes itself is made again by every run of it: its settings are the cell's text.
+    made = {s.name for s in cell.binding_sites(tree) if s.keyword is None} if tree is not None else set()
     for dotted in cell.called_names(source):
         owner, _, method = dotted.rpartition(".")
-        if "." in owner or owner not in namespace:
+        if "." in owner or owner not in namespace or owner in made:
             continue
         args = instance_dict(namespace[owner]).get("args")
         fields = instance_dict(args)
@@ -802,21 +805,34 @@ def loader_batch(source: str, namespace: Mapping, line: int | None) -> BatchGues
     """The batch of a ``DataLoader`` made in an earlier cell that the cell's loop iterates over (the one
     around the failing line first): its ``batch_size``, read from its instance dict."""
     for name in cell.iterated_names(source, line):
-        value = namespace.get(name)
-        if not _is_loader(value):
-            continue
-        attrs = instance_dict(value)
-        size = attrs.get("batch_size")
-        if type(size) is int and size >= 1 and attrs.get("batch_sampler") is not None:
+        size = _sampler_batch(namespace.get(name))
+        if size is not None:
             return BatchGuess(f"{name}.batch_size", size, "loader", path=(name,))
     return None
 
 
-def _is_loader(value: Any) -> bool:
-    return any(
-        c.__name__ == "DataLoader" and c.__module__.startswith("torch.utils.data")
-        for c in type(value).__mro__
-    )
+# Where a loader keeps what batches it: a DataLoader's batch sampler, and the loader a wrapper holds
+# (accelerate's prepared loaders keep the DataLoader as `base_dataloader`, a sharded batch sampler the
+# user's one as `batch_sampler`).
+LOADER_LINKS = ("base_dataloader", "batch_sampler")
+
+
+def _sampler_batch(value: Any, depth: int = 0) -> int | None:
+    """The ``batch_size`` of the batch sampler that ``value`` (a DataLoader, a wrapper of one, a batch
+    sampler) batches by, read from instance dicts through ``LOADER_LINKS``; None for anything else."""
+    if value is None or depth > 3:
+        return None
+    attrs = instance_dict(value)
+    size = attrs.get("batch_size")
+    inner = [attrs[k] for k in LOADER_LINKS if attrs.get(k) is not None]
+    for link in inner:
+        found = _sampler_batch(link, depth + 1)
+        if found is not None:
+            return found
+    # A batch sampler itself: its own count, with the sampler it draws from beside it.
+    if depth > 0 and type(size) is int and size >= 1 and attrs.get("sampler") is not None:
+        return size
+    return None
 
 
 def training_helpers(source: str, namespace: Mapping, depth: int = 2) -> tuple[tuple[str, str], ...]:

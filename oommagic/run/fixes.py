@@ -73,7 +73,7 @@ def _batch_setting(remedy: Remedy, shell: Any, device: str) -> contextlib.Abstra
         return _rebound(shell.user_ns, params["name"], params["new"])
     if params.get("where") == "loader":
         name = params["path"][0]
-        return _rebound(shell.user_ns, name, rebuilt_loader(shell.user_ns[name], params["new"]))
+        return _rebound(shell.user_ns, name, rebatched(shell.user_ns[name], params["new"]))
     if params.get("where") == "attribute":
         values = {params["name"]: params["new"]}
         if params.get("accumulation"):
@@ -104,33 +104,27 @@ def _rebound(ns: dict, name: str, value: Any) -> Iterator[None]:
     yield
 
 
-def rebuilt_loader(old: Any, batch_size: int) -> Any:
-    """A ``DataLoader`` like ``old`` (its dataset, order, collation, workers) with ``batch_size``: a
-    loader's batch cannot be changed once it is made."""
-    from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
+def rebatched(loader: Any, batch_size: int) -> Any:
+    """A copy of ``loader`` whose batches hold ``batch_size`` samples: the same dataset, sampler and
+    order, collation, workers and wrapper (a DataLoader, one wrapped by accelerate's ``prepare``, a batch
+    sampler); ``loader`` itself is left as it is. A loader's batch cannot be changed once it is made, so
+    the copy and the batch samplers it holds are copied and given the new count."""
+    import copy
 
-    d = vars(old)
-    kwargs: dict[str, Any] = {
-        "batch_size": batch_size,
-        "num_workers": d.get("num_workers", 0),
-        "collate_fn": d.get("collate_fn"),
-        "pin_memory": d.get("pin_memory", False),
-        "drop_last": d.get("drop_last", False),
-        "timeout": d.get("timeout", 0),
-        "worker_init_fn": d.get("worker_init_fn"),
-        "generator": d.get("generator"),
-        "persistent_workers": d.get("persistent_workers", False),
-    }
-    if kwargs["num_workers"] and d.get("prefetch_factor") is not None:
-        kwargs["prefetch_factor"] = d["prefetch_factor"]
-    dataset = d["dataset"]
-    if not isinstance(dataset, IterableDataset):
-        sampler = d.get("sampler")
-        if type(sampler) is RandomSampler:
-            kwargs["shuffle"] = True
-        elif type(sampler) is not SequentialSampler and sampler is not None:
-            kwargs["sampler"] = sampler
-    return type(old)(dataset, **kwargs)
+    from ..diagnosis.context import LOADER_LINKS
+
+    new = copy.copy(loader)
+    attrs = vars(new) if hasattr(new, "__dict__") else {}
+    # DataLoader refuses these once made (its __setattr__): the copy is new, so they are set under it.
+    if attrs.get("_iterator") is not None:
+        object.__setattr__(new, "_iterator", None)  # a persistent workers' iterator is the original's
+    for key in LOADER_LINKS:
+        inner = attrs.get(key)
+        if inner is not None and hasattr(inner, "__dict__"):
+            object.__setattr__(new, key, rebatched(inner, batch_size))
+    if type(attrs.get("batch_size")) is int:
+        object.__setattr__(new, "batch_size", batch_size)
+    return new
 
 
 def set_attribute(ns: dict, path: str, value: Any) -> None:

@@ -141,12 +141,20 @@ class _Measure:
             key=lambda r: (-(fig.coverage(r.saving) if fig is not None else 0.0), tier(r)),
         )
         for remedy in order:
-            if remedy.kind == "batch":
-                found.append(self.batch_entry(()) or self.entry((batch,)))
-                continue
-            entry = self.entry((remedy,))
-            if remedy.kind == "split_rows":
-                entry = self.smaller_chunks(entry)
+            try:
+                if remedy.kind == "batch":
+                    found.append(self.batch_entry(()) or self.entry((batch,)))
+                    continue
+                entry = self.entry((remedy,))
+                if remedy.kind == "split_rows":
+                    entry = self.smaller_chunks(entry)
+            except Exception as err:  # its setting could not be put in force (an object the cell dropped)
+                entry = PlanEntry(
+                    (remedy,),
+                    NOT_MEASURED,
+                    budget=self.budget,
+                    note=f"its trial could not start: {type(err).__name__}: {err}",
+                )
             found.append(entry)
         # A fix that frees room (leftovers, checkpointing) can make a smaller batch fit where the batch
         # alone could not (its finding then offers none): combinations try the cell's batch either way.

@@ -192,15 +192,18 @@ class Session:
         )
 
     def _plan(self, run: CellRun) -> Any:
-        from .plan import measure_plan
+        from .plan import measure_plan, unmeasured_plan
 
         try:
             return measure_plan(self, run)
         except KeyboardInterrupt:
             self.progress("plan stopped: the fixes below are not measured")
-            from .plan import unmeasured_plan
-
             return unmeasured_plan(run, "stopped")
+        except Exception as err:  # a bug of the plan must not replace the cell's own out-of-memory error
+            self.progress(
+                f"%%gpumem: the fix plan failed ({type(err).__name__}: {err}); its fixes are not measured"
+            )
+            return unmeasured_plan(run, f"the plan failed ({type(err).__name__}: {err})")
 
     def pending_error(self, run: CellRun) -> BaseException | None:
         """The exception ``run``'s cell raised (not an out-of-memory error), handed over once: the magic

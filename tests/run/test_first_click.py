@@ -306,6 +306,33 @@ def test_a_loader_made_in_an_earlier_cell_is_remade_with_a_smaller_batch(shell, 
     assert old.batch_size == 128, "the person's loader itself is left as it was"
 
 
+PREPARED_SETUP = (
+    LOADER_SETUP
+    + """from accelerate import Accelerator
+accelerator = Accelerator(cpu=True)
+clf, clf_opt, train_loader = accelerator.prepare(clf, clf_opt, train_loader)
+"""
+)
+
+
+def test_a_loader_prepared_by_accelerate_gets_its_batch_sampler_cut_and_keeps_its_wrapper(shell, run_cell):
+    pytest.importorskip("accelerate")
+    run_cell(PREPARED_SETUP)
+    old = shell.user_ns["train_loader"]
+    assert getattr(old, "batch_size", None) is None, "the wrapper's batch lives in its batch sampler"
+    failed, fix, fitted = first_click(60, LOADER_LOOP, shell, run_cell)
+    guess = failed.context.batch
+    assert (guess.name, guess.value, guess.where) == ("train_loader.batch_size", 128, "loader")
+    assert fix.kind == "batch" and "accumulate" in fix.title, fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    new = shell.user_ns["train_loader"]
+    remedy = fitted.applied[0]
+    assert type(new) is type(old) and new is not old
+    assert len(next(iter(new))[0]) == remedy.params["new"] < 128
+    assert remedy.params["new"] * remedy.params["accumulate"] == 128
+    assert len(next(iter(old))[0]) == 128, "the person's loader itself is left as it was"
+
+
 GEN_SETUP = """%%gpumem --quiet
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel
