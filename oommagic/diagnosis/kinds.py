@@ -28,6 +28,7 @@ from .findings import EvalLoader, Remedy
 from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_source
 from .rewrite import (
     default_dtype_source,
+    factored_optimizer_source,
     keep_last_logits_source,
     keep_numbers_source,
     load_source,
@@ -208,6 +209,8 @@ KINDS: dict[str, FixKind] = {
             rewrite=lambda s, r, h: step_per_tensor_source(s, list(r.params["optimizers"])),
         ),
         FixKind("split_rows", SAME, rewrite=_split_rows),
+        # A different update rule: what is computed changes, said in the entry.
+        FixKind("optimizer", COMPUTED, rewrite=lambda s, r, h: factored_optimizer_source(s) or s),
         # Acting outside this process: another GPU, another process, a restart.
         FixKind("other_gpu", SAME, trial=False),
         FixKind("multi_gpu", SAME, trial=False),

@@ -17,6 +17,7 @@ from .rewrite import (
     accumulates,
     changed_lines,
     default_dtype_source,
+    factored_optimizer_source,
     insert_after_assignment,
     keep_last_logits_source,
     kept_source,
@@ -707,6 +708,26 @@ def step_per_tensor(ctx: DiagnosisContext, fig: Figures, optimizers: list[str], 
         code=changed_lines(ctx.source, new_source),
         automatic=True,
         params={"optimizers": optimizers},
+        new_source=new_source,
+    )
+
+
+def factored_optimizer(ctx: DiagnosisContext, fig: Figures, made: str, moments: int) -> Remedy:
+    """The cell's Adam-family optimizer made as torch's Adafactor: the second moment factored into a row
+    and a column statistic per matrix, no first moment. A different optimizer, said as such."""
+    new_source = factored_optimizer_source(ctx.source)
+    return _made(
+        fig,
+        "optimizer",
+        f"Adafactor instead of {made}",
+        f"{made}'s two moments take as much memory as two copies of the trainable weights; torch's "
+        "Adafactor keeps one row and one column statistic per matrix and no first moment, a few MiB where "
+        f"they took {fmt(moments)}. It is a different optimizer: its updates are relative to each weight's "
+        "size, so the learning rate means something else; check the loss curve.",
+        moments,
+        code=changed_lines(ctx.source, new_source) if new_source else "",
+        automatic=new_source is not None,
+        params={"from": made},
         new_source=new_source,
     )
 

@@ -863,3 +863,35 @@ def skip_long_source(source: str, name: str, max_length: int) -> str | None:
     if not edits:
         return None
     return _checked(TOO_LONG + "\n\n" + _apply(source, edits))
+
+
+# What an Adam-family optimizer's call keeps when it becomes torch's Adafactor: the parameters, and the
+# keywords both take with the same meaning; betas, eps and amsgrad have no counterpart.
+_FACTORED_KEYWORDS = ("lr", "weight_decay", "foreach", "maximize")
+
+
+def factored_optimizer_source(source: str) -> str | None:
+    """The cell with every Adam-family optimizer it makes replaced by ``torch.optim.Adafactor`` (torch ≥
+    2.5): its second moment kept as a row and a column statistic of each matrix, and no first moment. The
+    parameters and the learning rate, weight decay, ``foreach`` and ``maximize`` carry over. None when the
+    cell makes none."""
+    from .source import ADAM_FAMILY
+
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    src = SourceText(source)
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and node.args):
+            continue
+        if dotted_name(node.func).rsplit(".", 1)[-1] not in ADAM_FAMILY:
+            continue
+        args = [src.segment(node.args[0])]
+        if len(node.args) > 1:
+            args.append(f"lr={src.segment(node.args[1])}")
+        args += [f"{k.arg}={src.segment(k.value)}" for k in node.keywords if k.arg in _FACTORED_KEYWORDS]
+        edits.append((*src.span(node), f"torch.optim.Adafactor({', '.join(args)})"))
+    if not edits:
+        return None
+    return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))

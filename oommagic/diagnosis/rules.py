@@ -22,6 +22,7 @@ from .findings import DiagnosisContext, Figures, Finding, Leftover, ModelInfo, R
 from .remedies import MARGIN
 from .source import (
     BatchGuess,
+    adam_constructions,
     calls_only,
     disables_grad,
     grad_off_lines,
@@ -79,7 +80,10 @@ WEIGHT = {
     "reserved_churn": 0.3,
     "limit": 0.1,  # context, not a fix: the limit was chosen on purpose
     "optimizer_step": 1.0,  # the parameters' bytes, read from the optimizer
+    "optimizer_state": 1.0,  # the trainable weights' bytes, read from the models
 }
+# The optimizer's state is worth a finding from this share of the budget on.
+OPTIMIZER_SHARE = 0.25
 # Optimizers whose foreach step makes a temporary the size of all their parameters (the square root of
 # the second moments, or of the sums of squares): what stepping one tensor at a time saves, less the
 # largest parameter's.
@@ -812,6 +816,31 @@ def _optimizer_step(report: OOMReport | None, ctx: DiagnosisContext, fig: Figure
     return _finding("optimizer_step", "The optimizer's step", evidence, [remedy], fig)
 
 
+def _optimizer_state(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """An Adam-family optimizer the cell makes, whose two moments per trainable weight are a large share
+    of the budget: full fine-tuning, where weights, gradients and the moments pass the budget whatever the
+    batch. A factored optimizer keeps a row and a column statistic per matrix instead."""
+    made = adam_constructions(ctx.source)
+    training = [m for m in ctx.models if m.is_training]
+    if not (made and training and fig.training and fig.budget):
+        return None
+    trainable = sum(m.param_bytes if m.trainable_bytes is None else m.trainable_bytes for m in training)
+    moments = 2 * trainable
+    if moments < OPTIMIZER_SHARE * fig.budget:
+        return None
+    evidence = (
+        f"{made[0]} keeps two moments per trainable weight: {fmt(moments)} for {fmt(trainable)} of trainable "
+        f"weights, {moments / fig.budget:.0%} of the {fmt(fig.budget)} budget, whatever the batch."
+    )
+    return _finding(
+        "optimizer_state",
+        "The optimizer's state",
+        evidence,
+        [fix.factored_optimizer(ctx, fig, made[0], moments)],
+        fig,
+    )
+
+
 def _pinned(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     """Device memory held outside the namespace's variables while the cell ran."""
     pinned = sum(p.bytes for p in ctx.pins)
@@ -931,6 +960,7 @@ RULES: tuple[Rule, ...] = (
     _kept,
     _autograd,
     _optimizer_step,
+    _optimizer_state,
     _pinned,
     _long_samples,
     _reserved_churn,

@@ -613,3 +613,14 @@ def test_the_step_of_a_loop_over_slices_is_the_batch_whatever_its_name():
     assert find_batch(cell, {}) == BatchGuess("B", 32, "source")
     assert find_batch(cell.replace("B = 32\n", ""), {"B": 16}) == BatchGuess("B", 16, "namespace")
     assert "B = 8\n" in rewrite_batch(cell, BatchGuess("B", 32, "source"), 8)
+
+
+def test_an_adam_family_optimizer_becomes_torchs_adafactor_with_what_both_mean_alike():
+    from oommagic.diagnosis.rewrite import factored_optimizer_source
+
+    cell = "opt = AdamW(model.parameters(), 2e-5, betas=(0.9, 0.95), weight_decay=0.01, eps=1e-6)\n"
+    new = factored_optimizer_source(cell)
+    assert new == (
+        "import torch\nopt = torch.optim.Adafactor(model.parameters(), lr=2e-5, weight_decay=0.01)\n"
+    )
+    assert factored_optimizer_source("opt = torch.optim.SGD(model.parameters(), lr=0.1)\n") is None

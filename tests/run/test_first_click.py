@@ -840,3 +840,45 @@ def test_a_full_batch_training_function_from_an_earlier_cell_is_redefined_with_m
     assert fitted.source.startswith("# each step on micro-batches of the rows, written by %%gpumem\ndef fit(")
     assert fitted.source.rstrip().endswith("last_loss = fit(net, X_all, y_all)")
     assert isinstance(shell.user_ns["last_loss"], float)
+
+
+FINETUNE_SETUP = """
+torch.manual_seed(0)
+big = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])
+ft_data = [torch.randn(8, 1024) for _ in range(3)]
+"""
+FINETUNE = """\
+from torch.optim import AdamW
+
+opt_ft = AdamW(big.parameters(), lr=1e-3, weight_decay=0.01)
+for xb in ft_data:
+    big(xb).square().mean().backward()
+    opt_ft.step()
+    opt_ft.zero_grad(set_to_none=True)
+"""
+
+
+def test_a_full_fine_tune_whose_adam_moments_pass_the_budget_gets_a_factored_optimizer(shell, run_cell):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    if not hasattr(torch.optim, "Adafactor"):
+        pytest.skip("torch.optim.Adafactor needs torch 2.5")
+    shell.run_cell(FINETUNE_SETUP)
+    # 16 MiB of weights and as much of gradients: AdamW's two moments (32 MiB) cannot fit beside them, and
+    # no batch or checkpointing changes that.
+    run_cell(f"%%gpumem --limit 50MiB --quiet --no-raise --plan-budget 60\n{FINETUNE}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    widget = ReportWidget(failed, session_for(shell))
+    first = widget.fixes[0]
+    assert first.kind == "optimizer" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
+    assert "different optimizer" in first.fixes[0].explanation
+    steps: list[int] = []
+    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+    try:
+        fitted = widget.click(first.kind)
+    finally:
+        handle.remove()
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "torch.optim.Adafactor(big.parameters(), lr=1e-3, weight_decay=0.01)" in fitted.source
+    assert len(steps) == 3, "the accepted run takes the cell's three optimizer steps"

@@ -84,7 +84,9 @@ from .rows import (
     rows_expression,
 )
 from .training import (
+    ADAM_FAMILY,
     WholeStep,
+    adam_constructions,
     autocasts,
     checkpoints,
     step_call,
@@ -95,6 +97,7 @@ from .training import (
 
 __all__ = [
     "ACCUMULATION_NAMES",
+    "ADAM_FAMILY",
     "BATCH_NAMES",
     "IDENTIFIER",
     "MODEL_INPUTS",
@@ -109,6 +112,7 @@ __all__ = [
     "SourceText",
     "WholeStep",
     "accumulation_name",
+    "adam_constructions",
     "assigned_calls",
     "autocasts",
     "batch_expressions",

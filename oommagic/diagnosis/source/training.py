@@ -272,6 +272,25 @@ def steps_optimizer(source: str) -> bool:
     return False
 
 
+# Optimizers that keep two moments per trainable weight (Adam's first and second).
+ADAM_FAMILY = frozenset({"Adam", "AdamW", "NAdam", "RAdam", "Adamax"})
+
+
+def adam_constructions(source: str) -> tuple[str, ...]:
+    """The Adam-family optimizers the cell makes itself (``opt = torch.optim.AdamW(model.parameters(),
+    lr=2e-5)``), by class name in source order."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call) and dotted_name(n.func).rsplit(".", 1)[-1] in ADAM_FAMILY and n.args
+    ]
+    calls.sort(key=lambda n: (n.lineno, n.col_offset))
+    return tuple(dotted_name(n.func).rsplit(".", 1)[-1] for n in calls)
+
+
 def autocasts(source: str) -> bool:
     """Whether the cell runs under autocast itself (``torch.autocast(...)``, ``bf16=True``/``fp16=True``)."""
     if any(d.rsplit(".", 1)[-1] == "autocast" for d in called_names(source)):
