@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -370,3 +371,63 @@ def test_an_oom_cell_ends_with_pytorchs_error_and_pins_nothing(shell, run_cell):
         raise err
     except torch.OutOfMemoryError as caught:
         assert caught is err
+
+
+# --- errors pass through as they would without the magic -----------------------------------------------
+
+OWN_ERRORS = {
+    "SystemExit": "raise SystemExit(3)",
+    "a BaseException of the cell's own": (
+        "class StopEverything(BaseException):\n    pass\nraise StopEverything('halt')"
+    ),
+    "an error of the cell's own whose text reads like an OOM": (
+        "class LoaderError(Exception):\n    pass\n"
+        "raise LoaderError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+        "8.00 GiB of which 1.00 GiB is free.')"
+    ),
+    "a syntax error": "x = (1,\ny = 2 +\n",
+    "an indentation error": "if True:\nprint('x')\n",
+    "a ValueError two frames deep": "def inner():\n    raise ValueError('boom 42')\ninner()",
+    "a BdbQuit": "import bdb\nraise bdb.BdbQuit()",
+}
+
+
+def _shown(out: str) -> str:
+    return re.sub(r"(Cell In\[|In\[|ipython-input-)\d+", r"\1N", out)
+
+
+@pytest.mark.parametrize("source", OWN_ERRORS.values(), ids=OWN_ERRORS.keys())
+def test_errors_end_the_cell_as_they_would_without_the_magic(shell, run_cell, source):
+    plain, plain_out = run_cell(source)
+    count = len(oommagic.history())
+    result, out = run_cell("%%gpumem --device cpu\n" + source)
+    expected = plain.error_before_exec or plain.error_in_exec
+    err = result.error_before_exec or result.error_in_exec
+    assert not plain.success and not result.success, "the cell fails (Run All stops)"
+    assert type(err).__qualname__ == type(expected).__qualname__ and _shown(str(err)) == _shown(str(expected))
+    assert _shown(out) == _shown(plain_out), "shown as IPython shows it, no frame of the magic"
+    assert len(oommagic.history()) == count + 1 and last_run().outcome == "error"
+
+
+RUNTIME_OOMS = {
+    "torch.AcceleratorError": (
+        "torch.AcceleratorError",
+        "raise torch.AcceleratorError('CUDA error: out of memory\\nCUDA kernel errors might be "
+        "asynchronously reported at some other API call, so the stacktrace below might be incorrect.')",
+    ),
+    "MPS RuntimeError": (
+        "RuntimeError",
+        "raise RuntimeError('MPS backend out of memory (MPS allocated: 17.00 GiB, other allocations: "
+        "1.00 GiB, max allowed: 18.13 GiB). Tried to allocate 256.00 MiB on private pool.')",
+    ),
+}
+
+
+@pytest.mark.parametrize(("kind", "source"), RUNTIME_OOMS.values(), ids=RUNTIME_OOMS.keys())
+def test_a_runtimes_own_oom_becomes_the_tools_and_keeps_its_type(run_cell, kind, source):
+    result, out = run_cell("%%gpumem --device cpu --quiet\n" + source)
+    err = result.error_in_exec
+    assert isinstance(err, torch.OutOfMemoryError), "the tool's OOM: PyTorch's class"
+    assert isinstance(err, eval(kind)), "an `except` written for the runtime's own type still catches it"
+    assert last_run().outcome == "oom" and oommagic.parse_oom(str(err)) is not None
+    assert "Traceback" not in out
