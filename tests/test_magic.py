@@ -431,3 +431,45 @@ def test_a_runtimes_own_oom_becomes_the_tools_and_keeps_its_type(run_cell, kind,
     assert isinstance(err, eval(kind)), "an `except` written for the runtime's own type still catches it"
     assert last_run().outcome == "oom" and oommagic.parse_oom(str(err)) is not None
     assert "Traceback" not in out
+
+
+# --- the names a rewrite adds are its own ---------------------------------------------------------------
+
+OWN_COUNTER = """%%gpumem --limit 24MiB --quiet --no-raise
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micro_step = 0
+for _ in range(2):
+    x = torch.randn(n, 64, 256)
+    model(x).square().mean().backward()
+    {count}
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [("micro_step += 1", lambda acc: 2 * acc), ("micro_step += len(x)", lambda acc: 128)],
+    ids=["micro-batches", "samples"],
+)
+def test_a_cell_counting_with_micro_step_keeps_its_steps_and_its_count(shell, run_cell, count, expected):
+    from oommagic.run.session import session_for
+    from oommagic.view.widget import ReportWidget
+
+    shell.user_ns["n"] = 64
+    shell.user_ns["micro_step_"] = "a name of the person's"
+    run_cell(OWN_COUNTER.format(count=count))
+    failed = last_run()
+    assert failed.outcome == "oom"
+    widget = ReportWidget(failed, session_for(shell))
+    (batch,) = next(f for f in widget.fixes if f.kind == "batch").fixes
+    acc = batch.params["accumulate"]
+    assert acc > 1 and batch.params["new"] * acc == 64, batch.title
+    retry = widget.click("batch")
+    assert retry.outcome == "ok", retry.headline()
+    assert len(retry.timeline.steps) == 2, "two optimizer steps of 64 samples, as the cell was written"
+    # The cell's own counter counts what its own line says (each micro-batch, or the 128 samples), neither
+    # reset nor stepped by the accumulation; the namespace's names are left alone.
+    assert shell.user_ns["micro_step"] == expected(acc), retry.source
+    assert shell.user_ns["micro_step_"] == "a name of the person's"
