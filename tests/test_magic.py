@@ -473,3 +473,34 @@ def test_a_cell_counting_with_micro_step_keeps_its_steps_and_its_count(shell, ru
     # reset nor stepped by the accumulation; the namespace's names are left alone.
     assert shell.user_ns["micro_step"] == expected(acc), retry.source
     assert shell.user_ns["micro_step_"] == "a name of the person's"
+
+
+# --- options and figures that cannot be used -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--plan-budget nan", "--plan-budget expects a number of seconds"),
+        ("--plan-budget inf", "--plan-budget expects a number of seconds"),
+        ("--plan-budget 1e400", "--plan-budget expects a number of seconds"),
+        ("--limit 100000000000000000000000000TiB", "more than any device holds"),
+    ],
+)
+def test_a_budget_or_limit_that_is_no_number_is_refused(shell, run_cell, line, message):
+    count = len(oommagic.history())
+    result, out = run_cell(f"%%gpumem {line}\nnever_run_here = 1")
+    assert "UsageError" in out and message in out, out
+    assert not result.success and "never_run_here" not in shell.user_ns
+    assert len(oommagic.history()) == count
+
+
+def test_a_figure_beyond_any_device_stays_out_of_the_headline(run_cell):
+    _, out = run_cell(
+        "%%gpumem --device cpu --text --no-raise\n"
+        "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 99999999999999999999999999.00 "
+        "GiB. GPU 0 has a total capacity of 8.00 GiB of which 1.00 GiB is free.')"
+    )
+    run = last_run()
+    assert run.outcome == "oom" and run.report.requested is None and run.report.capacity == 8 * 1024**3
+    assert re.search(r"\d{10}", run.headline()) is None and re.search(r"\d{10}", out) is None, out

@@ -45,3 +45,17 @@ def test_text_that_is_no_oom_is_not_one():
     assert not is_runtime_oom(
         a_class("AcceleratorError", "torch", RuntimeError)("CUDA error: device-side assert")
     )
+
+
+def test_a_figure_no_device_can_hold_is_not_known():
+    from oommagic.oom import parse_oom
+
+    text = (
+        "CUDA out of memory. Tried to allocate 99999999999999999999999999.00 GiB. GPU 0 has a total capacity "
+        "of 79.19 GiB of which 100000000000000000000.00 GiB is free. Process 7 has 900000000000000000.00 GiB "
+        "memory in use. Process 8 has 2.00 GiB memory in use."
+    )
+    report = parse_oom(text)
+    assert report.requested is None and report.free is None, "10^38 bytes is a misreading, not a size"
+    assert report.capacity == round(79.19 * 1024**3)
+    assert report.other_processes == ((8, 2 * 1024**3),)
