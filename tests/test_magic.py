@@ -504,3 +504,11 @@ def test_a_figure_beyond_any_device_stays_out_of_the_headline(run_cell):
     run = last_run()
     assert run.outcome == "oom" and run.report.requested is None and run.report.capacity == 8 * 1024**3
     assert re.search(r"\d{10}", run.headline()) is None and re.search(r"\d{10}", out) is None, out
+
+
+def test_an_error_in_a_repr_fails_no_cell_as_without_the_magic(run_cell):
+    source = "class Odd:\n    def __repr__(self):\n        raise ValueError('no repr')\nOdd()"
+    plain, _ = run_cell(source)
+    result, out = run_cell("%%gpumem --device cpu\n" + source)
+    assert plain.success and result.success and "no repr" in out
+    assert last_run().outcome == "ok"

@@ -70,9 +70,9 @@ class Attempt:
 class _Catch:
     """Keeps what the nested run raises instead of showing it: an out-of-memory error gets the report
     instead of a traceback; any other is raised again by the magic, so the cell fails with it and IPython
-    shows it once (``errors.show_as_without_the_magic``). IPython shows some exceptions before it asks its
-    custom handlers (``SystemExit``, a ``BaseException`` of the cell's own, a line it cannot transform):
-    those are caught where it shows them. An interrupt shows as usual: the session raises it again."""
+    shows it once (``errors.show_as_without_the_magic``). IPython shows a ``SystemExit`` or a
+    ``BaseException`` of the cell's own without asking its custom handlers: those are caught where it shows
+    them. An interrupt shows as usual: the session raises it again."""
 
     def __init__(self, shell: Any) -> None:
         self.shell = shell
@@ -86,7 +86,9 @@ class _Catch:
 
     def _showtraceback(self, exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
         value = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
-        if value is None or isinstance(value, KeyboardInterrupt):
+        # An Exception shown here did not fail the cell (a repr or an event callback that raised: IPython
+        # shows it and goes on); the cell's own reach the handler above.
+        if value is None or isinstance(value, (Exception, KeyboardInterrupt)):
             shows = self._shows or type(self.shell).showtraceback.__get__(self.shell)
             return shows(exc_tuple, *args, **kwargs)
         self.exc = value
