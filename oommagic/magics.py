@@ -199,7 +199,8 @@ class GpuMemMagics(Magics):
         except OptionError as err:
             raise UsageError(str(err)) from None
         for w in caught:
-            print(f"%%gpumem: {w.message}")
+            if not _ipython_exit_hint(w):
+                print(f"%%gpumem: {w.message}")
         if args.snapshot:
             self._write_snapshot(session, run, args.snapshot)
         return self._finish(session, run)
@@ -265,11 +266,22 @@ class GpuMemMagics(Magics):
             freed = f"; {format_bytes(run.freed)} given back" if run.freed else ""
             from .run.errors import out_of_memory_error
 
-            message = run.report.text if run.report is not None else "out of memory"
-            raise out_of_memory_error(message, f"{run.headline()}{freed} (report above)") from None
-        if error is not None:
+            if error is None:
+                error = out_of_memory_error(run.report.text if run.report is not None else "out of memory")
+            error.summary = f"{run.headline()}{freed} (report above)"
+            raise error from None
+        if error is not None and run.outcome != "oom":
+            from .run.errors import show_as_without_the_magic
+
+            show_as_without_the_magic(self.shell, error)
             raise error.with_traceback(error.__traceback__)
         return None
+
+
+def _ipython_exit_hint(w: warnings.WarningMessage) -> bool:
+    """IPython's "To exit: use 'exit'" after a SystemExit in the cell: it says it again when the magic
+    raises the SystemExit, as it would without the magic."""
+    return "IPython" in w.filename and str(w.message).startswith("To exit")
 
 
 def device_status(ranks: dict[int, int] | None = None) -> str:

@@ -6,10 +6,11 @@ all read this record. Pure: imports neither torch nor IPython.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .sizes import parse_size
+from .sizes import MOST_BYTES, parse_size
 
 LIMIT_HELP = "--limit expects a size like 24GiB, 8GB, 512MiB or a fraction like 0.5"
 
@@ -96,6 +97,11 @@ def parse_limit(text: str | None) -> float | int | None:
         raise OptionError(f"{LIMIT_HELP}, got {text!r}") from None
     if nbytes <= 0:
         raise OptionError(f"--limit must be above zero, got {text!r}")
+    if nbytes > MOST_BYTES:
+        raise OptionError(
+            f"--limit {text.strip()!r} is more than any device holds (at most 16 EiB): give a size like "
+            "24GiB or a fraction like 0.5"
+        )
     return nbytes
 
 
@@ -115,6 +121,10 @@ def parse_seconds(text: str | None) -> float | None:
         raise OptionError(
             f"--plan-budget expects seconds like 60, 90s or 2min (0: no trials), got {text!r}"
         ) from None
+    if not math.isfinite(value):
+        raise OptionError(
+            f"--plan-budget expects a number of seconds like 60, 90s or 2min (0: no trials), got {text!r}"
+        )
     if value < 0:
         raise OptionError(f"--plan-budget cannot be negative, got {text!r}")
     return value

@@ -23,6 +23,10 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1024**4,
 }
+# No device, and no 64-bit address space, holds more: a size beyond it is a misreading (a pasted message cut
+# into a longer number, a typo with twenty zeros), not a figure to reason or print with.
+MOST_BYTES = 2**64
+
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*")
 
 
@@ -40,18 +44,32 @@ def parse_size(text: str) -> int:
     return int(Decimal(match.group(1)) * _UNITS[unit])
 
 
+def plausible_bytes(n: int | None) -> int | None:
+    """``n`` where it can be a size in bytes (0 to ``MOST_BYTES``), else None: not known."""
+    return n if n is not None and 0 <= n <= MOST_BYTES else None
+
+
 def format_bytes(n: int | None) -> str:
-    """Format bytes the way PyTorch does: 1024-based, two decimals, ``bytes``/KiB/MiB/GiB/TiB."""
+    """Format bytes the way PyTorch does: 1024-based, two decimals, ``bytes``/KiB/MiB/GiB, then TiB, PiB
+    and EiB; a size beyond ``MOST_BYTES`` (16 EiB) reads as more than that, never as a long number."""
     if n is None:
         return "?"
     sign = "-" if n < 0 else ""
     n = abs(n)
+    if n > MOST_BYTES:
+        return "less than -16.00 EiB" if sign else "more than 16.00 EiB"
     if n < 1024:
         return f"{sign}{n} bytes"
-    for unit, scale in (("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3)):
+    for unit, scale in (
+        ("KiB", 1024),
+        ("MiB", 1024**2),
+        ("GiB", 1024**3),
+        ("TiB", 1024**4),
+        ("PiB", 1024**5),
+    ):
         if n < scale * 1024:
             return f"{sign}{n / scale:.2f} {unit}"
-    return f"{sign}{n / 1024**4:.2f} TiB"
+    return f"{sign}{n / 1024**6:.2f} EiB"
 
 
 # Units as error messages print them. Every producer we read sizes from counts in powers of 1024, whatever it

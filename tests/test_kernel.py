@@ -4,6 +4,7 @@ and its memory is given back."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import nbformat
@@ -122,3 +123,54 @@ def test_oom_in_kernel_gives_memory_back():
     )
     execute(nb, allow_errors=True)
     assert texts(nb.cells[2]).strip() == "dead True"
+
+
+def replies_of(nb):
+    """Execute ``nb`` to its end (errors allowed); each code cell's execute reply, by index."""
+    replies = {}
+    env_path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONPATH"] = env_path
+    client = NotebookClient(
+        nb,
+        timeout=600,
+        kernel_name="python3",
+        allow_errors=True,
+        on_cell_executed=lambda cell, cell_index, execute_reply: replies.__setitem__(
+            cell_index, execute_reply
+        ),
+        resources={"metadata": {"path": str(ROOT / "notebooks")}},
+    )
+    client.execute()
+    return replies
+
+
+OWN_ERRORS = (
+    "raise SystemExit(3)",
+    "class StopEverything(BaseException):\n    pass\nraise StopEverything('halt')",
+    "class LoaderError(Exception):\n    pass\n"
+    "raise LoaderError('CUDA out of memory. Tried to allocate 2.00 GiB')",
+    "x = (1,\ny = 2 +\n",
+    "def inner():\n    raise ValueError('boom 42')\ninner()",
+)
+
+
+def test_errors_reply_as_they_would_without_the_magic():
+    """Each error in a plain cell and in a %%gpumem cell: the same reply (status "error", so Run All stops;
+    the same ename and evalue) and the same error shown."""
+
+    def error_shown(cell):
+        (error,) = [o for o in cell.outputs if o.output_type == "error"]
+        shown = re.sub(r"\x1b\[[0-9;]*m", "", "".join(error.traceback))
+        return error.ename, error.evalue, re.sub(r"Cell In\[\d+\]", "Cell In[N]", shown)
+
+    cells = ["%load_ext oommagic\nimport torch"]
+    for source in OWN_ERRORS:
+        cells += [source, "%%gpumem --device cpu\n" + source]
+    nb = notebook(*cells)
+    replies = replies_of(nb)
+    for i, source in enumerate(OWN_ERRORS):
+        plain, magic = 1 + 2 * i, 2 + 2 * i
+        assert replies[magic]["content"]["status"] == replies[plain]["content"]["status"] == "error", source
+        for key in ("ename", "evalue"):
+            assert replies[magic]["content"][key] == replies[plain]["content"][key], source
+        assert error_shown(nb.cells[magic]) == error_shown(nb.cells[plain]), source

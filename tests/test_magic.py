@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -370,3 +371,144 @@ def test_an_oom_cell_ends_with_pytorchs_error_and_pins_nothing(shell, run_cell):
         raise err
     except torch.OutOfMemoryError as caught:
         assert caught is err
+
+
+# --- errors pass through as they would without the magic -----------------------------------------------
+
+OWN_ERRORS = {
+    "SystemExit": "raise SystemExit(3)",
+    "a BaseException of the cell's own": (
+        "class StopEverything(BaseException):\n    pass\nraise StopEverything('halt')"
+    ),
+    "an error of the cell's own whose text reads like an OOM": (
+        "class LoaderError(Exception):\n    pass\n"
+        "raise LoaderError('CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+        "8.00 GiB of which 1.00 GiB is free.')"
+    ),
+    "a syntax error": "x = (1,\ny = 2 +\n",
+    "an indentation error": "if True:\nprint('x')\n",
+    "a ValueError two frames deep": "def inner():\n    raise ValueError('boom 42')\ninner()",
+    "a BdbQuit": "import bdb\nraise bdb.BdbQuit()",
+}
+
+
+def _shown(out: str) -> str:
+    return re.sub(r"(Cell In\[|In\[|ipython-input-)\d+", r"\1N", out)
+
+
+@pytest.mark.parametrize("source", OWN_ERRORS.values(), ids=OWN_ERRORS.keys())
+def test_errors_end_the_cell_as_they_would_without_the_magic(shell, run_cell, source):
+    plain, plain_out = run_cell(source)
+    count = len(oommagic.history())
+    result, out = run_cell("%%gpumem --device cpu\n" + source)
+    expected = plain.error_before_exec or plain.error_in_exec
+    err = result.error_before_exec or result.error_in_exec
+    assert not plain.success and not result.success, "the cell fails (Run All stops)"
+    assert type(err).__qualname__ == type(expected).__qualname__ and _shown(str(err)) == _shown(str(expected))
+    assert _shown(out) == _shown(plain_out), "shown as IPython shows it, no frame of the magic"
+    assert len(oommagic.history()) == count + 1 and last_run().outcome == "error"
+
+
+RUNTIME_OOMS = {
+    "torch.AcceleratorError": (
+        "torch.AcceleratorError",
+        "raise torch.AcceleratorError('CUDA error: out of memory\\nCUDA kernel errors might be "
+        "asynchronously reported at some other API call, so the stacktrace below might be incorrect.')",
+    ),
+    "MPS RuntimeError": (
+        "RuntimeError",
+        "raise RuntimeError('MPS backend out of memory (MPS allocated: 17.00 GiB, other allocations: "
+        "1.00 GiB, max allowed: 18.13 GiB). Tried to allocate 256.00 MiB on private pool.')",
+    ),
+}
+
+
+@pytest.mark.parametrize(("kind", "source"), RUNTIME_OOMS.values(), ids=RUNTIME_OOMS.keys())
+def test_a_runtimes_own_oom_becomes_the_tools_and_keeps_its_type(run_cell, kind, source):
+    result, out = run_cell("%%gpumem --device cpu --quiet\n" + source)
+    err = result.error_in_exec
+    assert isinstance(err, torch.OutOfMemoryError), "the tool's OOM: PyTorch's class"
+    assert isinstance(err, eval(kind)), "an `except` written for the runtime's own type still catches it"
+    assert last_run().outcome == "oom" and oommagic.parse_oom(str(err)) is not None
+    assert "Traceback" not in out
+
+
+# --- the names a rewrite adds are its own ---------------------------------------------------------------
+
+OWN_COUNTER = """%%gpumem --limit 24MiB --quiet --no-raise
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+micro_step = 0
+for _ in range(2):
+    x = torch.randn(n, 64, 256)
+    model(x).square().mean().backward()
+    {count}
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    ("count", "expected"),
+    [("micro_step += 1", lambda acc: 2 * acc), ("micro_step += len(x)", lambda acc: 128)],
+    ids=["micro-batches", "samples"],
+)
+def test_a_cell_counting_with_micro_step_keeps_its_steps_and_its_count(shell, run_cell, count, expected):
+    from oommagic.run.session import session_for
+    from oommagic.view.widget import ReportWidget
+
+    shell.user_ns["n"] = 64
+    shell.user_ns["micro_step_"] = "a name of the person's"
+    run_cell(OWN_COUNTER.format(count=count))
+    failed = last_run()
+    assert failed.outcome == "oom"
+    widget = ReportWidget(failed, session_for(shell))
+    (batch,) = next(f for f in widget.fixes if f.kind == "batch").fixes
+    acc = batch.params["accumulate"]
+    assert acc > 1 and batch.params["new"] * acc == 64, batch.title
+    retry = widget.click("batch")
+    assert retry.outcome == "ok", retry.headline()
+    assert len(retry.timeline.steps) == 2, "two optimizer steps of 64 samples, as the cell was written"
+    # The cell's own counter counts what its own line says (each micro-batch, or the 128 samples), neither
+    # reset nor stepped by the accumulation; the namespace's names are left alone.
+    assert shell.user_ns["micro_step"] == expected(acc), retry.source
+    assert shell.user_ns["micro_step_"] == "a name of the person's"
+
+
+# --- options and figures that cannot be used -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("--plan-budget nan", "--plan-budget expects a number of seconds"),
+        ("--plan-budget inf", "--plan-budget expects a number of seconds"),
+        ("--plan-budget 1e400", "--plan-budget expects a number of seconds"),
+        ("--limit 100000000000000000000000000TiB", "more than any device holds"),
+    ],
+)
+def test_a_budget_or_limit_that_is_no_number_is_refused(shell, run_cell, line, message):
+    count = len(oommagic.history())
+    result, out = run_cell(f"%%gpumem {line}\nnever_run_here = 1")
+    assert "UsageError" in out and message in out, out
+    assert not result.success and "never_run_here" not in shell.user_ns
+    assert len(oommagic.history()) == count
+
+
+def test_a_figure_beyond_any_device_stays_out_of_the_headline(run_cell):
+    _, out = run_cell(
+        "%%gpumem --device cpu --text --no-raise\n"
+        "raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 99999999999999999999999999.00 "
+        "GiB. GPU 0 has a total capacity of 8.00 GiB of which 1.00 GiB is free.')"
+    )
+    run = last_run()
+    assert run.outcome == "oom" and run.report.requested is None and run.report.capacity == 8 * 1024**3
+    assert re.search(r"\d{10}", run.headline()) is None and re.search(r"\d{10}", out) is None, out
+
+
+def test_an_error_in_a_repr_fails_no_cell_as_without_the_magic(run_cell):
+    source = "class Odd:\n    def __repr__(self):\n        raise ValueError('no repr')\nOdd()"
+    plain, _ = run_cell(source)
+    result, out = run_cell("%%gpumem --device cpu\n" + source)
+    assert plain.success and result.success and "no repr" in out
+    assert last_run().outcome == "ok"

@@ -103,6 +103,7 @@ class NamespaceScan:
     kv_backends: tuple[str, ...] | None = None
     batch_shape: tuple[str, int, int] | None = None
     rows_call: RowsCall | None = None
+    names: frozenset[str] = frozenset()
 
 
 def scan_namespace(
@@ -159,6 +160,7 @@ def scan_namespace(
             eval_loader=_quietly(lightning_loader, error, namespace, source),
             kv_backends=_quietly(quantized_cache_backends) if generation else None,
             batch_shape=_quietly(batch_shape, source, [*scopes, namespace]),
+            names=frozenset(k for k in namespace if isinstance(k, str)),
         )
 
 
@@ -470,6 +472,7 @@ def make_context(
         kv_backends=scan.kv_backends,
         batch_shape=scan.batch_shape,
         rows_call=scan.rows_call,
+        names=scan.names,
         pins=scan.pins,
         loading=scan.loading,
         installed=scan.installed,

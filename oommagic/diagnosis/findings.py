@@ -298,6 +298,7 @@ class DiagnosisContext:
     # (name, samples, tokens) of the batch a training loop of the cell held when it failed
     batch_shape: tuple[str, int, int] | None = None
     rows_call: RowsCall | None = None  # a model called on a whole tensor on the failing line
+    names: frozenset[str] = frozenset()  # the names the namespace binds: a rewrite takes none for its own
 
     @property
     def failing_line(self) -> int | None:

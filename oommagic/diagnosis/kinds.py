@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .findings import EvalLoader, Remedy
-from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_source
+from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_source, taken_then
 from .rewrite import (
     default_dtype_source,
     factored_optimizer_source,
@@ -83,7 +83,8 @@ def _batch(source: str, r: Remedy, helpers: Helpers) -> str:
     if p.get("where") not in WRITTEN:
         return source
     guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
-    return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1))[0] or source
+    taken = taken_then(r.new_source or "")
+    return batch_source(source, helpers, guess, p["new"], p.get("accumulate", 1), taken)[0] or source
 
 
 def _keyword(source: str, r: Remedy, helpers: Helpers) -> str:
@@ -168,13 +169,18 @@ KINDS: dict[str, FixKind] = {
             "truncate",
             COMPUTED,
             tier_of=_outlier_tier,
-            rewrite=lambda s, r, h: truncate_source(s, r.params["max_length"]) or s,
+            rewrite=lambda s, r, h: (
+                truncate_source(s, r.params["max_length"], taken_then(r.new_source or "")) or s
+            ),
         ),
         FixKind(
             "skip_long",
             COMPUTED,
             tier_of=_outlier_tier,
-            rewrite=lambda s, r, h: skip_long_source(s, r.params["name"], r.params["max_length"]) or s,
+            rewrite=lambda s, r, h: (
+                skip_long_source(s, r.params["name"], r.params["max_length"], taken_then(r.new_source or ""))
+                or s
+            ),
         ),
         FixKind("max_new_tokens", COMPUTED, rewrite=_keyword),
         FixKind("num_beams", COMPUTED, rewrite=_keyword),
@@ -184,7 +190,11 @@ KINDS: dict[str, FixKind] = {
         FixKind("no_grad", SAME, rewrite=_no_grad),
         FixKind("eval_batch", SAME, rewrite=_eval_batch),
         FixKind(
-            "split_generate", SAME, rewrite=lambda s, r, h: split_generate_source(s, r.params["chunk"]) or s
+            "split_generate",
+            SAME,
+            rewrite=lambda s, r, h: (
+                split_generate_source(s, r.params["chunk"], taken_then(r.new_source or "")) or s
+            ),
         ),
         FixKind(
             "kv_cache",
@@ -206,7 +216,9 @@ KINDS: dict[str, FixKind] = {
         FixKind(
             "step_per_tensor",
             SAME,
-            rewrite=lambda s, r, h: step_per_tensor_source(s, list(r.params["optimizers"])),
+            rewrite=lambda s, r, h: step_per_tensor_source(
+                s, list(r.params["optimizers"]), taken_then(r.new_source or "")
+            ),
         ),
         FixKind("split_rows", SAME, rewrite=_split_rows),
         # A different update rule: what is computed changes, said in the entry.

@@ -7,6 +7,7 @@ what it is expected to save. ``retry`` turns an automatic remedy into a rerun.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict
 from typing import Any
 
@@ -18,6 +19,8 @@ from .rewrite import (
     changed_lines,
     default_dtype_source,
     factored_optimizer_source,
+    fresh_name,
+    fresh_words,
     insert_after_assignment,
     keep_last_logits_source,
     kept_source,
@@ -291,7 +294,7 @@ def batch(ctx: DiagnosisContext, fig: Figures, guess: BatchGuess, new: int, acc:
         # Micro-batches as even as the rows allow: the largest is what the memory sees.
         new = -(-guess.value // -(-guess.value // max(1, new)))
     saving = fig.activations * (guess.value - new) // guess.value if fig.activations else None
-    new_source, keeps = batch_source(ctx.source, ctx.helpers, guess, new, acc)
+    new_source, keeps = batch_source(ctx.source, ctx.helpers, guess, new, acc, _taken(ctx))
     if guess.where == "rows":
         return _micro_batches(ctx, fig, guess, new, new_source, saving)
     if acc > 1 and keeps:
@@ -409,19 +412,26 @@ WRITTEN = ("source", "expression", "step", "shape", "call", "rows")
 
 
 def batch_source(
-    source: str, helpers: tuple[tuple[str, str], ...], guess: BatchGuess, new: int, acc: int
+    source: str,
+    helpers: tuple[tuple[str, str], ...],
+    guess: BatchGuess,
+    new: int,
+    acc: int,
+    taken: Iterable[str] = frozenset(),
 ) -> tuple[str | None, bool]:
     """(the cell with the batch set to ``new`` and ``acc``-step accumulation written, whether the
     accumulation was written). The cell's own setting or loop first, then the notebook functions that
-    train, redefined at the top of the cell."""
+    train, redefined at the top of the cell. The names the rewrite adds are fresh against the cell, those
+    functions and ``taken`` (the namespace's names)."""
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
     written = guess.where in WRITTEN
-    rewritten = rewrite_batch(source, guess, new, acc) if written else source
+    taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
+    rewritten = rewrite_batch(source, guess, new, acc, taken) if written else source
     for _, code in helpers if rewritten is None and guess.where == "rows" else ():
         # The full-batch step is in a notebook function the cell calls: redefined at the top of the cell.
-        both = rewrite_batch(f"{code.rstrip()}\n\n{source}", guess, new, acc)
+        both = rewrite_batch(f"{code.rstrip()}\n\n{source}", guess, new, acc, taken)
         if both is not None:
             return f"# each step on micro-batches of the rows, written by %%gpumem\n{both}", True
     if rewritten is None:
@@ -430,10 +440,12 @@ def batch_source(
         return rewritten, True
     if accumulates(source):
         return rewritten, True
-    looped = accumulate_loops(rewritten, acc)
+    # One counter for the cell and the functions redefined beside it.
+    counter = fresh_name("micro_step", rewritten, taken=taken)
+    looped = accumulate_loops(rewritten, acc, counter)
     if looped is not None:
         return looped, True
-    defs = [accumulate_loops(code, acc) for _, code in helpers]
+    defs = [accumulate_loops(code, acc, counter) for _, code in helpers]
     defs = [d.rstrip() for d in defs if d is not None]
     if defs:
         note = f"# gradient accumulation over {acc} micro-batches, written by %%gpumem"
@@ -645,6 +657,23 @@ def no_grad(ctx: DiagnosisContext, fig: Figures, saving: int | None) -> Remedy:
     )
 
 
+def taken_then(new_source: str) -> frozenset[str]:
+    """The names that were taken when a rewrite chose those of ``new_source``: where it added ``_`` to a
+    name (``fresh_name``), the ones before were (by the namespace, then); taken again, the same rewrite
+    comes out of the cell as written."""
+    taken = set()
+    for word in set(fresh_words(new_source)):
+        stem = word.rstrip("_")
+        taken.update(stem + "_" * i for i in range(len(word) - len(stem)))
+    return frozenset(taken)
+
+
+def _taken(ctx: DiagnosisContext) -> frozenset[str]:
+    """The names a rewrite must not take for its own: those the namespace binds and those the notebook
+    functions the cell calls read."""
+    return ctx.names | {word for _, code in ctx.helpers for word in fresh_words(code)}
+
+
 def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) -> Remedy:
     """The expression on the failing line computed on ``chunk`` rows of its input at a time, the results
     joined; the saving is the share of what grows with the rows (the activations, or the one request
@@ -683,11 +712,13 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
     )
 
 
-def step_per_tensor_source(source: str, optimizers: list[str]) -> str:
-    """``source`` with the optimizers' foreach step switched off first, in every parameter group."""
+def step_per_tensor_source(source: str, optimizers: list[str], taken: Iterable[str] = frozenset()) -> str:
+    """``source`` with the optimizers' foreach step switched off first, in every parameter group (the loop's
+    variable fresh against the cell and ``taken``)."""
+    group = fresh_name("param_group", source, taken=taken)
     lines = [
-        f"for param_group in {name}.param_groups:  # oommagic: step one tensor at a time\n"
-        f'    param_group["foreach"] = False\n'
+        f"for {group} in {name}.param_groups:  # oommagic: step one tensor at a time\n"
+        f'    {group}["foreach"] = False\n'
         for name in optimizers
     ]
     return "".join(lines) + source
@@ -696,7 +727,7 @@ def step_per_tensor_source(source: str, optimizers: list[str]) -> str:
 def step_per_tensor(ctx: DiagnosisContext, fig: Figures, optimizers: list[str], saving: int | None) -> Remedy:
     """The optimizers' step one parameter at a time (``foreach=False`` in every parameter group): the same
     update, without temporaries the size of all the parameters at once."""
-    new_source = step_per_tensor_source(ctx.source, optimizers)
+    new_source = step_per_tensor_source(ctx.source, optimizers, _taken(ctx))
     return _made(
         fig,
         "step_per_tensor",
@@ -977,7 +1008,7 @@ def generate_keyword(
 
 def split_generate(ctx: DiagnosisContext, fig: Figures, batch: int, chunk: int, saving: int | None) -> Remedy:
     """The cell's ``generate`` calls run over ``chunk`` prompts at a time, one chunk after another."""
-    new_source = split_generate_source(ctx.source, chunk)
+    new_source = split_generate_source(ctx.source, chunk, _taken(ctx))
     return _made(
         fig,
         "split_generate",
@@ -1072,7 +1103,7 @@ def truncate(
 ) -> Remedy:
     """``truncation=True, max_length=N`` in the cell's tokenizer calls (an existing max_length stays), or
     where it has none, its collators wrapped to cut the samples before they are padded."""
-    new_source = truncate_source(ctx.source, max_length)
+    new_source = truncate_source(ctx.source, max_length, _taken(ctx))
     collators = new_source is not None and not tokenizer_calls(ctx.source)
     why = f"Inputs longer than {max_length} tokens are cut to that length: pick the length your task needs."
     if collators:
@@ -1101,7 +1132,8 @@ def skip_long(ctx: DiagnosisContext, fig: Figures, saving: int | None, max_lengt
     binds its batch to a name); None where it has no such loop."""
     names = [ctx.batch_shape[0]] if ctx.batch_shape is not None else loop_batches(ctx.source)
     name, new_source = next(
-        ((n, new) for n in names if (new := skip_long_source(ctx.source, n, max_length))), (None, None)
+        ((n, new) for n in names if (new := skip_long_source(ctx.source, n, max_length, _taken(ctx)))),
+        (None, None),
     )
     if new_source is None:
         return None

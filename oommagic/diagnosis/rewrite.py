@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import difflib
 import re
+from collections.abc import Iterable
 
 from .source import (
     ACCUMULATION_NAMES,
@@ -37,18 +38,21 @@ from .source import (
 _TRAINING_ARGS = re.compile(r"(\w*TrainingArguments|SFTConfig|DPOConfig|ORPOConfig|KTOConfig|GRPOConfig)")
 
 
-def rewrite_batch(source: str, guess: BatchGuess, new_value: int, accumulate: int = 1) -> str | None:
+def rewrite_batch(
+    source: str, guess: BatchGuess, new_value: int, accumulate: int = 1, taken: Iterable[str] = frozenset()
+) -> str | None:
     """Return the cell with its batch literal set to ``new_value``; with ``accumulate > 1`` also multiply a
     literal gradient-accumulation setting by it, or add ``gradient_accumulation_steps`` to a
     TrainingArguments call. A plain training loop gets no invented accumulation code. None when the batch
-    is not a literal in the cell (the retry then rebinds the variable instead)."""
+    is not a literal in the cell (the retry then rebinds the variable instead). ``taken``: names the
+    namespace binds, which the names a rewrite adds avoid (``fresh_name``)."""
     tree = tree_of(source)
     if tree is None:
         return None
     src = SourceText(source)
     if guess.where == "rows":
         # A step on whole tensors: it runs on micro-batches of their rows, the accumulation built in.
-        return micro_batch_source(source, guess.path, guess.value, new_value)
+        return micro_batch_source(source, guess.path, guess.value, new_value, taken)
     if guess.where == "call":
         # `train(enc)` → `train(enc, bs=64)`; a method of the same name (`model.train()`) stays.
         func, keyword = guess.path
@@ -276,12 +280,35 @@ def changed_lines(old: str, new: str) -> str:
     return "\n".join(a[indent:] for a in added)
 
 
-def accumulate_loops(source: str, steps: int, counter: str = "micro_step") -> str | None:
+def fresh_words(text: str) -> list[str]:
+    """Every word of ``text`` (identifiers, also inside strings and comments: a name found there is
+    avoided too, which costs nothing)."""
+    return re.findall(r"\w+", text)
+
+
+def fresh_name(wanted: str, *sources: str, taken: Iterable[str] = frozenset()) -> str:
+    """``wanted``, or ``wanted`` with ``_`` added until it is no word of ``sources`` (the cell, the
+    notebook functions a rewrite puts beside it) and none of ``taken`` (the names the namespace binds): a
+    name a rewrite adds must neither read nor overwrite one of the person's."""
+    used = set(taken)
+    for text in sources:
+        used.update(fresh_words(text))
+    name = wanted
+    while name in used:
+        name += "_"
+    return name
+
+
+def accumulate_loops(
+    source: str, steps: int, counter: str | None = None, taken: Iterable[str] = frozenset()
+) -> str | None:
     """Return the cell with gradient accumulation over ``steps`` micro-batches written into each training
     loop (a ``for``/``while`` whose body calls ``.backward()``): the loss divided by ``steps``, a counter
     after the backward pass, every optimizer/scheduler ``.step()`` and ``.zero_grad()`` of the loop run
     only when the counter reaches a multiple of ``steps``, and ``range(n)`` loops run ``n * steps`` times so
-    the number of optimizer steps stays. None when the cell has no such loop."""
+    the number of optimizer steps stays. The counter is ``counter``, else ``micro_step`` made fresh against
+    the cell and ``taken``. None when the cell has no such loop."""
+    counter = counter or fresh_name("micro_step", source, taken=taken)
     tree = tree_of(source)
     if tree is None:
         return None
@@ -534,10 +561,10 @@ def quantized_cache_source(source: str, config: str) -> str | None:
     return set_call_keyword(new, "generate", "cache_config", Code(config)) if new else None
 
 
-def split_generate_source(source: str, chunk: int) -> str | None:
+def split_generate_source(source: str, chunk: int, taken: Iterable[str] = frozenset()) -> str | None:
     """The cell with each ``X.generate(...)`` call run over slices of ``chunk`` prompts one after another
-    (``generate_in_chunks(X.generate, chunk, ...)``, defined at the top of the cell). None where the cell
-    makes no such call."""
+    (``generate_in_chunks(X.generate, chunk, ...)``, defined at the top of the cell under a name fresh
+    against the cell and ``taken``). None where the cell makes no such call."""
     tree = tree_of(source)
     if tree is None:
         return None
@@ -549,6 +576,7 @@ def split_generate_source(source: str, chunk: int) -> str | None:
     ]
     if not calls:
         return None
+    helper = fresh_name("generate_in_chunks", source, taken=taken)
     edits = []
     for call in calls:
         func = src.segment(call.func)
@@ -556,9 +584,9 @@ def split_generate_source(source: str, chunk: int) -> str | None:
         # `model.generate(` → `generate_in_chunks(model.generate, 8, `; an empty call keeps its parenthesis.
         open_paren = src.offset(call.func.end_lineno, call.func.end_col_offset)
         rest = "" if not (call.args or call.keywords) else ", "
-        edits.append((start, open_paren + 1, f"generate_in_chunks({func}, {chunk}{rest}"))
+        edits.append((start, open_paren + 1, f"{helper}({func}, {chunk}{rest}"))
     body = _apply(source, edits)
-    return _checked(CHUNKED_GENERATE + "\n\n" + body)
+    return _checked(_renamed(CHUNKED_GENERATE, "generate_in_chunks", helper) + "\n\n" + body)
 
 
 def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str = "") -> str | None:
@@ -576,6 +604,8 @@ def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str 
     plain = tree_of(expr)
     plain_call = plain is not None and isinstance(plain.body[0], ast.Expr) and len(plain.body) == 1
     plain_call = plain_call and _calls_on(plain.body[0].value, module, arg)
+    # The comprehension's variable lives in its own scope: fresh against what the cell names is enough.
+    rows = fresh_name("rows", source)
     edits = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.expr):
@@ -587,22 +617,24 @@ def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str 
             continue
         start, end = src.span(node)
         at, to = src.span(found.spine)
-        per_chunk = source[start:at] + "rows" + source[to:end]
-        edits.append((start, end, f"torch.cat([{per_chunk} for rows in {arg}.split({chunk})])"))
+        per_chunk = source[start:at] + rows + source[to:end]
+        edits.append((start, end, f"torch.cat([{per_chunk} for {rows} in {arg}.split({chunk})])"))
     if not edits:
         return None
     return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))
 
 
-def micro_batch_source(source: str, names: tuple[str, ...], rows: int, most: int) -> str | None:
+def micro_batch_source(
+    source: str, names: tuple[str, ...], rows: int, most: int, taken: Iterable[str] = frozenset()
+) -> str | None:
     """The cell with its training step on whole tensors (``whole_step``) run on micro-batches of at most
     ``most`` of their ``rows``: the statements from the forward pass to the backward pass loop over
     ``zip(X.tensor_split(k), y.tensor_split(k))`` with ``names`` read through their micro-batch, each
     micro-batch's loss weighted by its share of the rows (its mean over all of them, as before), the
     gradients summed by the backward passes; ``zero_grad()`` before the micro-batches and the optimizer's
     ``step()`` after them run once per step, as before. Lines after the backward pass that read both what
-    the step computed and an input read the last micro-batch of that input. None where the cell has no
-    such step."""
+    the step computed and an input read the last micro-batch of that input. The micro-batches' names
+    (``X_rows``) are fresh against the cell and ``taken``. None where the cell has no such step."""
     step = whole_step(source)
     if step is None or not names or not set(names) <= set(step.inputs) or most >= rows:
         return None
@@ -615,13 +647,9 @@ def micro_batch_source(source: str, names: tuple[str, ...], rows: int, most: int
     span = step.block[first : step.last + 1]
     moved = [*before, *after]
     inner = [stmt for stmt in span if not any(stmt is m for m in moved)]
-    taken = set(re.findall(r"\w+", source))
-    chunk = {}
+    chunk: dict[str, str] = {}
     for name in names:
-        new = f"{name}_rows"
-        while new in taken:
-            new += "_"
-        chunk[name] = new
+        chunk[name] = fresh_name(f"{name}_rows", source, *chunk.values(), taken=taken)
     edits = [
         (*src.span(n), chunk[n.id])
         for stmt in inner
@@ -799,11 +827,12 @@ def too_long(batch, max_length):
 _COLLATOR_KEYWORDS = ("collate_fn", "data_collator")
 
 
-def truncate_source(source: str, max_length: int) -> str | None:
+def truncate_source(source: str, max_length: int, taken: Iterable[str] = frozenset()) -> str | None:
     """The cell with its inputs cut to ``max_length`` tokens: ``truncation=True, max_length=N`` in its
     tokenizer calls (an existing max_length stays); where it has none, each collator it passes
-    (``collate_fn=``, ``data_collator=``) wrapped to cut the samples before padding them. None where the
-    cell has neither."""
+    (``collate_fn=``, ``data_collator=``) wrapped to cut the samples before padding them (by ``truncated``,
+    defined at the top of the cell under a name fresh against the cell and ``taken``). None where the cell
+    has neither."""
     from .source import tokenizer_calls
 
     new = source
@@ -816,29 +845,35 @@ def truncate_source(source: str, max_length: int) -> str | None:
     if tree is None:
         return None
     src = SourceText(source)
+    helper = fresh_name("truncated", source, taken=taken)
     edits = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             for kw in node.keywords:
-                if kw.arg in _COLLATOR_KEYWORDS and not _calls(kw.value, "truncated"):
-                    edits.append((*src.span(kw.value), f"truncated({src.segment(kw.value)}, {max_length})"))
+                if kw.arg in _COLLATOR_KEYWORDS:
+                    edits.append((*src.span(kw.value), f"{helper}({src.segment(kw.value)}, {max_length})"))
     if not edits:
         return None
-    return _checked(TRUNCATED_COLLATE + "\n\n" + _apply(source, edits))
+    return _checked(_renamed(TRUNCATED_COLLATE, "truncated", helper) + "\n\n" + _apply(source, edits))
 
 
-def _calls(node: ast.expr, name: str) -> bool:
-    return isinstance(node, ast.Call) and dotted_name(node.func) == name
+def _renamed(definition: str, name: str, new: str) -> str:
+    """``definition`` (one of the functions above) defining ``new`` instead of ``name``."""
+    return definition.replace(f"def {name}(", f"def {new}(", 1)
 
 
-def skip_long_source(source: str, name: str, max_length: int) -> str | None:
+def skip_long_source(
+    source: str, name: str, max_length: int, taken: Iterable[str] = frozenset()
+) -> str | None:
     """The cell with each training loop skipping the batches longer than ``max_length`` tokens: ``if
     too_long(name, N): continue`` right after the loop binds ``name`` (its target, or an assignment in its
-    body), with ``too_long`` defined at the top of the cell. None where no training loop binds ``name``."""
+    body), with ``too_long`` defined at the top of the cell under a name fresh against the cell and
+    ``taken``. None where no training loop binds ``name``."""
     tree = tree_of(source)
     if tree is None:
         return None
     src = SourceText(source)
+    helper = fresh_name("too_long", source, taken=taken)
     loops = [n for n in ast.walk(tree) if isinstance(n, ast.For) and _trains_in(n)]
     edits = []
     for loop in loops:
@@ -853,7 +888,7 @@ def skip_long_source(source: str, name: str, max_length: int) -> str | None:
         )
         first = loop.body[0]
         indent = src.lines[first.lineno - 1][: first.col_offset]
-        guard = f"{indent}if too_long({name}, {max_length}):\n{indent}    continue\n"
+        guard = f"{indent}if {helper}({name}, {max_length}):\n{indent}    continue\n"
         if bound is not None:
             at = src.starts[bound.end_lineno] if bound.end_lineno < len(src.lines) else len(source)
             edits.append((at, at, guard))
@@ -862,7 +897,7 @@ def skip_long_source(source: str, name: str, max_length: int) -> str | None:
             edits.append((at, at, guard))
     if not edits:
         return None
-    return _checked(TOO_LONG + "\n\n" + _apply(source, edits))
+    return _checked(_renamed(TOO_LONG, "too_long", helper) + "\n\n" + _apply(source, edits))
 
 
 # What an Adam-family optimizer's call keeps when it becomes torch's Adafactor: the parameters, and the

@@ -31,7 +31,17 @@ from .runtimes import (
 )
 from .text import Page
 
-__all__ = ["OOMReport", "format_emulated_oom", "is_oom", "parse_oom"]
+__all__ = ["OOMReport", "format_emulated_oom", "is_oom", "is_runtime_oom", "parse_oom"]
+
+# Packages whose own exception classes an out-of-memory error of theirs arrives in (torch.AcceleratorError,
+# jaxlib's XlaRuntimeError, TensorFlow's ResourceExhaustedError, ...).
+RUNTIMES = frozenset(
+    {
+        "torch", "jax", "jaxlib", "tensorflow", "keras", "cupy", "cupy_backends", "vllm", "llama_cpp",
+        "onnxruntime", "triton", "numba", "mlx", "tensorrt", "tensorrt_llm", "pycuda", "cuda", "deepspeed",
+        "xformers", "bitsandbytes", "flash_attn",
+    }
+)  # fmt: skip
 
 # Richest first: when a log holds several messages, the one that says most about the failure wins.
 _READERS = (
@@ -85,6 +95,26 @@ def is_oom(exc: BaseException) -> bool:
     except Exception:
         return False
     return isinstance(message, str) and parse_oom(message) is not None
+
+
+def is_runtime_oom(exc: BaseException) -> bool:
+    """True when ``exc`` is a runtime's own out-of-memory error, the kind ``%%gpumem`` turns into its report:
+    its class says so (it or a base is named ``OutOfMemoryError``: PyTorch's, CuPy's, a cell's own), or its
+    message reads as one (``parse_oom``) and its class is a built-in one (``RuntimeError`` from MPS and from
+    CUDA before torch 2.8, ``ValueError`` from vLLM) or a runtime's (``torch.AcceleratorError``, JAX's
+    ``XlaRuntimeError``, TensorFlow's ``ResourceExhaustedError``). A class of the cell's own whose text only
+    reads like an out-of-memory message is not one: code that catches that class must still see it.
+    Never raises."""
+    try:
+        mro = type(exc).__mro__
+        if any(getattr(cls, "__name__", "") == "OutOfMemoryError" for cls in mro):
+            return True
+        package = (getattr(type(exc), "__module__", None) or "").partition(".")[0]
+    except Exception:
+        return False
+    if package != "builtins" and package not in RUNTIMES:
+        return False
+    return is_oom(exc)
 
 
 def format_emulated_oom(

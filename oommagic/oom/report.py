@@ -8,6 +8,21 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ..sizes import plausible_bytes
+
+# The fields that hold bytes: a value no device can hold (a misread, or a message cut into a longer number)
+# is not known, rather than a headline of 10^38 bytes.
+BYTE_FIELDS = (
+    "requested",
+    "capacity",
+    "free",
+    "allocated",
+    "reserved",
+    "reserved_unallocated",
+    "process_used",
+    "limit",
+)
+
 
 @dataclass(frozen=True)
 class OOMReport:
@@ -30,6 +45,15 @@ class OOMReport:
     # Serving engines (vLLM) count the KV cache in tokens: the sequence length asked for and what fits.
     tokens_requested: int | None = None
     tokens_capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in BYTE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and plausible_bytes(value) is None:
+                object.__setattr__(self, name, None)
+        others = tuple((pid, n) for pid, n in self.other_processes if plausible_bytes(n) is not None)
+        if len(others) != len(self.other_processes):
+            object.__setattr__(self, "other_processes", others)
 
     def to_json(self) -> dict:
         data = asdict(self)

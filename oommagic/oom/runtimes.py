@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..sizes import reported_bytes
+from ..sizes import REPORTED_UNITS, reported_bytes
 from .report import OOMReport
 from .text import SIZE, Page, matched_bytes, words
 
@@ -39,10 +39,13 @@ _XLA_BUFFER = re.compile(
     + r"(?:\s*"
     + words("at the bottom of memory")
     + r")?\s*\.\s*"
-    + words("That was not possible. There are")
+    + words("That was not possible.")
+    # Loading a program says no more ("Error loading program 'jit__multi_slice': Attempting to reserve ...").
+    + r"(?:\s*"
+    + words("There are")
     + r"\s*"
     + SIZE
-    + r"\s*free"
+    + r"\s*free)?"
 )
 # A program that does not fit at compile time. "vmem" and "smem" are the TPU core's small vector and scalar
 # scratch memories, whose sizes say nothing about the device's memory, so only the HBM figures are kept. Older
@@ -76,7 +79,7 @@ def read_xla(page: Page) -> OOMReport | None:
             text=page.text(match.start(), match.end()),
             device="tpu",
             requested=matched_bytes(match),
-            free=matched_bytes(match, 3),
+            free=matched_bytes(match, 3) if match.group(3) else None,
             source="xla",
         )
     if match := _XLA_COMPILE.search(flat):
@@ -137,6 +140,13 @@ _TF_GENERIC = re.compile(
     + words("failed to allocate memory")
 )
 _TF_INDEX = re.compile(r"GPU_(\d{1,5})_")
+# The node a TF1 message names after it ("[[Node: name = Op[T=DT_FLOAT, _device=\"/job:.../gpu:0\"](...)]]",
+# "[[{{node name}}]]"): where the message prints no type or device, the node's attributes may.
+_TF_NODE = re.compile(r"\s*\[\[\s*(?:\{\{\s*)?(?i:node)\b[^\]]{0,2000}")
+_TF_NODE_DTYPE = re.compile(r"\b(dtype|T)\s*=\s*DT_([A-Z0-9]{1,12})\b")
+_TF_NODE_DEVICE = re.compile(
+    r"_device\s*=\s*\"[^\"]{0,200}?(?:device:)?(GPU|gpu|CPU|cpu|TPU|tpu):(\d{1,5})\""
+)
 
 
 def read_tensorflow(page: Page) -> OOMReport | None:
@@ -149,6 +159,14 @@ def read_tensorflow(page: Page) -> OOMReport | None:
     if tensor:
         figures: dict = {}
         dims, dtype, kind, index, allocator = tensor.groups()
+        node = _TF_NODE.match(flat, tensor.end())
+        if node and not dtype:
+            # An op's `dtype` is what it makes; `T` is its element type where it has no `dtype`.
+            found = dict(m.groups() for m in _TF_NODE_DTYPE.finditer(node.group()))
+            dtype = next((t.lower() for t in (found.get("dtype"), found.get("T")) if t), None)
+            dtype = dtype if dtype in _TF_DTYPE_BYTES else None
+        if node and not kind and (device := _TF_NODE_DEVICE.search(node.group())):
+            kind, index = device.groups()
         if dtype:
             numbers = [int(d) for d in re.findall(r"\d{1,18}", dims)]
             figures["requested"] = math.prod(numbers) * _TF_DTYPE_BYTES[dtype]
@@ -187,6 +205,14 @@ _DRIVER_BYTES = re.compile(
     + SIZE
     + r"\s*\(\s*(\d{1,30})\s*bytes\s*\)\s*"
     + words("from device:")
+    + r"\s*CUDA_ERROR_OUT_OF_MEMORY"
+)
+# TensorFlow's and XLA's stream executor with unified memory on (TF_FORCE_UNIFIED_MEMORY, JAX on GPU):
+# "failed to alloc 2740606464 bytes unified memory; result: CUDA_ERROR_OUT_OF_MEMORY: out of memory".
+_DRIVER_UNIFIED = re.compile(
+    words("failed to alloc")
+    + r"\s*(\d{1,30})\s*bytes\s*"
+    + words("unified memory; result:")
     + r"\s*CUDA_ERROR_OUT_OF_MEMORY"
 )
 _DRIVER = (
@@ -250,6 +276,13 @@ def read_driver(page: Page) -> OOMReport | None:
             text=page.text(match.start(), match.end()),
             device="cuda",
             requested=int(match.group(3)),
+            source="driver",
+        )
+    if match := _DRIVER_UNIFIED.search(flat):
+        return OOMReport(
+            text=page.text(match.start(), match.end()),
+            device="cuda",
+            requested=int(match.group(1)),
             source="driver",
         )
     for regex, device in _DRIVER:
@@ -505,8 +538,20 @@ def read_ggml(page: Page) -> OOMReport | None:
             if match.group(3) and not host:
                 figures["gpu_index"] = int(match.group(3))
         if size:
-            figures["requested"] = int(match.group(size))
+            figures["requested"] = _exact(match.group(size), malloc)
     return OOMReport(text=page.text(start, last), source="ggml", **figures)
+
+
+def _exact(digits: str, malloc: re.Match | None) -> int:
+    """The exact byte count ``digits``; where the line break after it was removed and the next line began
+    with digits (a timestamp), the longest part of it that the rounded size of ``malloc`` agrees with."""
+    if malloc is None:
+        return int(digits)
+    rounded, half_step = matched_bytes(malloc), REPORTED_UNITS[malloc.group(2)] // 200 + 1
+    for end in range(len(digits), 0, -1):
+        if abs(int(digits[:end]) - rounded) <= half_step:
+            return int(digits[:end])
+    return int(digits)
 
 
 # ---------------------------------------------------------------------------------------------------------

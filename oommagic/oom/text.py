@@ -41,6 +41,8 @@ _PREFIX = re.compile(
       | \d\d-\d\d[ ]\d\d:\d\d:\d\d(?:\.\d{1,9})?                   # vLLM: 03-13 09:00:43
       | [IWEFD]\d{4}[ ]\d\d:\d\d:\d\d(?:\.\d{1,9})?(?:[ ]+\d{1,9})?   # glog: E0323 21:57:08.583 23
       | \d\d:\d\d:\d\d(?:[.,]\d{1,9})?:?                           # bare time
+      | \d{1,4}\.\d\d\.\d{3}\.\d{3}[ ]+[IWEFDT](?=[ ])                # llama.cpp server: 1.06.520.077 E
+      | \#{1,6}(?=[ \t])                                           # markdown heading, shell or Python comment
       | (?:ERROR|WARNING|WARN|INFO|DEBUG|CRITICAL|FATAL|TRACE)(?::[\w.]{0,40}:|:|\b)   # levels, ERROR:root:
       | \((?:\w{1,40}[ ]+)?[\w.-]{1,40}=[\w.:-]{1,40}(?:,?[ ]+[\w.-]{1,40}=[\w.:-]{1,40}){0,4}\)   # Ray, vLLM
       | \[?[\w./\\:-]{0,200}\.(?:py|cc|cpp|cu|c|h|hpp):\d{1,6}\]   # glog / vLLM source: [core.py:330]

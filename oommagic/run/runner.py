@@ -8,6 +8,7 @@ keeps no history and shows nothing: ``session`` turns attempts into ``CellRun``s
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Any
 from ..categories import Breakdown
 from ..diagnosis.context import NamespaceScan
 from ..diagnosis.ranks import Ranks
-from ..oom import OOMReport, is_oom, parse_oom
+from ..oom import OOMReport, is_runtime_oom, parse_oom
 from ..timeline import Recording
 from .release import drop_bound_by_cell, free_failed_cell, identities
 from .spec import RunSpec
@@ -43,8 +44,9 @@ class Bounds:
 @dataclass
 class Attempt:
     """One execution of a cell: ``outcome`` is ok / oom / error / interrupted, or ``stopped`` for a trial
-    that reached its bounds without running out. ``error`` is a non-OOM exception for the magic to
-    re-raise; ``scan`` the namespace as the failure left it (before anything was dropped)."""
+    that reached its bounds without running out. ``error`` is the exception the magic ends the cell with:
+    the cell's own, or after an out-of-memory error the tool's (``errors.out_of_memory_error``: no frame of
+    the failed cell); ``scan`` the namespace as the failure left it (before anything was dropped)."""
 
     recording: Recording
     outcome: str = "ok"
@@ -67,26 +69,44 @@ class Attempt:
 
 
 class _Catch:
-    """An IPython custom-exception handler for the nested run: every exception is kept, not printed (an
-    out-of-memory error gets the report instead of a traceback; any other is re-raised by the magic, so
-    the cell fails with it and IPython shows its traceback once)."""
+    """Keeps what the nested run raises instead of showing it: an out-of-memory error gets the report
+    instead of a traceback; any other is raised again by the magic, so the cell fails with it and IPython
+    shows it once (``errors.show_as_without_the_magic``). IPython shows a ``SystemExit`` or a
+    ``BaseException`` of the cell's own without asking its custom handlers: those are caught where it shows
+    them. An interrupt shows as usual: the session raises it again."""
 
     def __init__(self, shell: Any) -> None:
         self.shell = shell
         self.exc: BaseException | None = None
         self._saved = (shell.custom_exceptions, shell.CustomTB)
+        self._shows = vars(shell).get("showtraceback")
 
     def handler(self, shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> Any:
+        self.exc = value
+        return None
+
+    def _showtraceback(self, exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
+        value = exc_tuple[1] if exc_tuple is not None else sys.exc_info()[1]
+        # An Exception shown here did not fail the cell (a repr or an event callback that raised: IPython
+        # shows it and goes on); the cell's own reach the handler above.
+        if value is None or isinstance(value, (Exception, KeyboardInterrupt)):
+            shows = self._shows or type(self.shell).showtraceback.__get__(self.shell)
+            return shows(exc_tuple, *args, **kwargs)
         self.exc = value
         return None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[_Catch]:
         self.shell.set_custom_exc((Exception,), self.handler)
+        self.shell.showtraceback = self._showtraceback
         try:
             yield self
         finally:
             self.shell.custom_exceptions, self.shell.CustomTB = self._saved
+            if self._shows is None:
+                vars(self.shell).pop("showtraceback", None)
+            else:
+                self.shell.showtraceback = self._shows
 
 
 def cell_id(shell: Any) -> str | None:
@@ -142,18 +162,27 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
         attempt.wall_s = time.perf_counter() - t0
         attempt.steps = counter.steps
         exc, catch.exc = catch.exc, None
+        if exc is None and result is not None and not isinstance(result.error_in_exec, KeyboardInterrupt):
+            exc = result.error_in_exec  # what IPython stops on silently (bdb.BdbQuit) fails the cell too
         attempt.ranks = ranks.gather(stop=interrupted or exc is not None)
         rank_oom = attempt.ranks.report() if attempt.ranks is not None else None
         if result is not None and exc is not None and result.error_in_exec is exc:
             result.error_in_exec = None
+        if result is not None and exc is not None and result.error_before_exec is exc:
+            result.error_before_exec = None
+            if isinstance(exc, SyntaxError):
+                # The cell does not compile: IPython shows that without frames (its parser's are not the
+                # cell's), and so does the magic (errors.show_as_without_the_magic reads this None).
+                exc.__traceback__ = None
         if isinstance(exc, TrialStop):
             attempt.outcome, attempt.stopped_by = "stopped", str(exc)
             free_failed_cell(shell, exc, recorder.device, then_collect=scan)
-        elif exc is not None and (is_oom(exc) or rank_oom is not None):
+        elif exc is not None and (is_runtime_oom(exc) or rank_oom is not None):
             held_at_failure = recorder.allocated()
             attempt.outcome = "oom"
             # A rank's error reaches the kernel wrapped by its launcher: the rank's message is the report.
             attempt.report = rank_oom or _report(exc, recorder.exact)
+            attempt.error = _tools_error(attempt.report, exc if is_runtime_oom(exc) else None)
             if scan:
                 _what_filled(recorder, [shell.user_ns, *frames_of(exc.__traceback__)])
                 # At the moment of the failure (the message's figure: what the unwinding freed counts).
@@ -291,6 +320,14 @@ def _report(exc: BaseException, exact: dict[str, int]) -> OOMReport:
         fields = {k: v for k, v in exact.items() if getattr(report, k) is not None or report.emulated}
         report = replace(report, **fields)
     return report
+
+
+def _tools_error(report: OOMReport, exc: BaseException | None) -> BaseException:
+    """The error an out-of-memory cell ends with: the runtime's message, and its class kept where it was
+    one of the runtime's own (``torch.AcceleratorError``), so ``except`` clauses written for it hold."""
+    from .errors import out_of_memory_error
+
+    return out_of_memory_error(report.text or "out of memory", like=type(exc) if exc is not None else None)
 
 
 def _message(exc: BaseException) -> str:

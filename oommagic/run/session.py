@@ -206,8 +206,9 @@ class Session:
             return unmeasured_plan(run, f"the plan failed ({type(err).__name__}: {err})")
 
     def pending_error(self, run: CellRun) -> BaseException | None:
-        """The exception ``run``'s cell raised (not an out-of-memory error), handed over once: the magic
-        re-raises it so the cell fails with its own type and traceback."""
+        """The exception ``run``'s cell ends with, handed over once: the cell's own, which the magic raises
+        again so the cell fails with its own type and traceback, or after an out-of-memory error the
+        ``torch.OutOfMemoryError`` the magic raises instead (``run.errors``)."""
         return self._errors.pop(run.id, None)
 
     def _record(self, run: CellRun, attempt: Attempt) -> CellRun:

@@ -96,6 +96,10 @@ class ShutdownHandler(APIHandler):
         try:
             body = json.loads(self.request.body or b"{}")
             pid = body["pid"]
+        except RecursionError:  # json gives up on nesting deeper than the interpreter's recursion limit
+            raise web.HTTPError(
+                400, 'the body is nested too deeply to read: expected a JSON body {"pid": N, "confirm": true}'
+            ) from None
         except (ValueError, KeyError, TypeError):
             raise web.HTTPError(400, 'expected a JSON body {"pid": N, "confirm": true}') from None
         if type(pid) is not int:

@@ -437,7 +437,7 @@ class ReportWidget:
                 print(err)
                 return
             error = self.actions.pending_error(new)
-            if error is not None:
+            if error is not None and new.outcome == "error":
                 print(f"the cell failed: {type(error).__name__}: {error}")
         self.runs.append(new)
         self.show(new)

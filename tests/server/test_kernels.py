@@ -94,3 +94,14 @@ async def test_shutdown_without_a_valid_token_is_refused(jp_fetch, authorization
 async def test_a_malformed_request_is_refused(jp_fetch):
     for body in ({}, {"pid": "12"}, {"pid": 1.5, "confirm": True}):
         assert (await shutdown(jp_fetch, body)).code == 400
+
+
+async def test_a_body_nested_too_deeply_is_refused_as_malformed(jp_fetch):
+    async def post(body: str):
+        return await jp_fetch("oommagic", "kernels", "shutdown", method="POST", body=body, raise_error=False)
+
+    deep = "[" * 100_000 + "]" * 100_000
+    for body in (deep, '{"pid": ' + deep + ', "confirm": true}'):
+        response = await post(body)
+        assert response.code == 400, response.body[:300]
+        assert b"nested too deeply" in response.body

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import re
 from dataclasses import replace
 
 import pytest
@@ -104,7 +105,11 @@ def test_the_batch_fix_keeps_the_samples_per_optimizer_step(shell, failed):
     assert retry.outcome == "ok"
     # The loop itself divides the loss and steps the optimizer every `acc` micro-batches.
     assert f"(model(x).square().mean() / {acc}).backward()" in retry.source
-    assert f"if micro_step % {acc} == 0:" in retry.source and f"range(2 * {acc})" in retry.source
+    # The counter is `micro_step`, or with `_` added where an earlier accepted run left that name bound.
+    assert (
+        re.search(rf"\n    if (micro_step_*) % {acc} == 0:", retry.source)
+        and f"range(2 * {acc})" in retry.source
+    )
     assert len(retry.timeline.steps) == 2, "two optimizer steps, as the cell was written"
 
 
