@@ -11,7 +11,11 @@ Protocol version 1 (the frontend end is ``labextension/src/protocol.ts``):
 - the frontend sends ``{"type": "remove", "run": <id>, "index": <i>}`` to run that run's cell again without
   the fix at ``applied[i]``, and ``{"type": "apply", "run": <id>, "entry": <k>}`` to run it with the fix
   plan's entry ``k``; the new run arrives as a ``run`` message (its ``parent`` is ``<id>``), or, when the
-  action cannot be done, ``{"version": 1, "type": "error", "run": <id>, "message": "..."}``.
+  action cannot be done, ``{"version": 1, "type": "error", "run": <id>, "message": "..."}``;
+- a run that fits with a rewritten source carries ``write`` (``diagnosis/write_back.py``: the cell's body,
+  and the notebook functions it redefined with their text as the notebook holds it); after a fix pressed
+  in the report widget fits, the kernel sends ``{"version": 1, "type": "write", "run": <id>, "cell_id":
+  ..., "write": {...}}`` and the frontend writes it into the notebook (unless its setting says not to).
 
 Uses the ``comm`` package, which ipykernel wires to the kernel; outside a kernel (terminal IPython, a
 script) ``comm.create_comm`` gives a comm that sends nothing, so ``publish`` builds no message, and
@@ -61,8 +65,49 @@ def run_message(run: CellRun) -> dict[str, Any]:
 def _body(run: CellRun) -> dict[str, Any]:
     kept = _bodies.get(run.id)
     if kept is None or kept[0] is not run:
-        kept = _bodies[run.id] = (run, run.to_json())
+        kept = _bodies[run.id] = (run, {**run.to_json(), "write": _write_of(run)})
     return kept[1]
+
+
+def _write_of(run: CellRun) -> dict[str, Any] | None:
+    """What writing ``run`` into the notebook changes, for a run that fits with a rewritten source."""
+    from .diagnosis.write_back import cell_write
+
+    original = run.original or run.source
+    if run.outcome != "ok" or run.source == original:
+        return None
+    # The functions as the notebook holds them were read by the run the person started (the root).
+    by_id = {r.id: r for r in _runs}
+    root, seen = run, set()
+    while root.parent in by_id and root.id not in seen:
+        seen.add(root.id)
+        root = by_id[root.parent]
+    helpers = root.context.helpers if root.context is not None else ()
+    return cell_write(run.source, original, helpers).to_json()
+
+
+def write_to_cell(run: CellRun) -> None:
+    """Ask the frontend to write ``run`` (a fix pressed in the report widget that fits) into its notebook
+    cell, so that the notebook says what the kernel now runs. Never raises; nothing outside a kernel."""
+    if not _in_kernel() or run.cell_id is None:
+        return
+    write = _body(run)["write"]
+    if write is None:
+        return
+    try:
+        _open().send(
+            {
+                "version": PROTOCOL_VERSION,
+                "type": "write",
+                "run": run.id,
+                "cell_id": run.cell_id,
+                "write": write,
+            }
+        )
+    except Exception:
+        log.warning(
+            "oommagic: could not ask the frontend to write run %s into its cell", run.id, exc_info=True
+        )
 
 
 def publish(run: CellRun, runs: Sequence[CellRun]) -> None:

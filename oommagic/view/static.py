@@ -53,6 +53,13 @@ def _render(node: Any) -> str:
         return f"<pre style='margin:0.2em 0'>{html.escape(text)}</pre>" if text else ""
     children = getattr(node, "children", ())
     inner = "".join(_render(c) for c in children)
+    if kind == "Accordion":
+        titles = getattr(node, "titles", ()) or ("",) * len(children)
+        return "".join(
+            f"<details{' open' if node.selected_index == i else ''}>"
+            f"<summary>{html.escape(title or '')}</summary>{_render(child)}</details>"
+            for i, (title, child) in enumerate(zip(titles, children, strict=False))
+        )
     if kind == "HBox":
         return f"<div style='display:flex;flex-wrap:wrap;align-items:center'>{inner}</div>"
     return f"<div>{inner}</div>"
