@@ -68,10 +68,12 @@ test.describe('a fix pressed in the report', () => {
       await report.evaluate(node => node.scrollIntoView({ block: 'start' }));
       const box = (await report.boundingBox())!;
       const first = (await report.locator('.oommagic-fix').first().boundingBox())!;
+      const measured = `height ${Math.round(box.height)} px; first fix's button ends ${Math.round(first.y + first.height - box.y)} px below the report's top`;
       test.info().annotations.push({
         type: 'report after the failure at 1400×900',
-        description: `height ${Math.round(box.height)} px; first fix's button ends ${Math.round(first.y + first.height - box.y)} px below the report's top`
+        description: measured
       });
+      console.log(`report after the failure at 1400×900: ${measured}`);
       expect(box.height).toBeLessThanOrEqual(900);
       expect(first.y + first.height - box.y).toBeLessThanOrEqual(600);
       const cut = await report.evaluate(node =>
