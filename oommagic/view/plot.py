@@ -21,12 +21,12 @@ def drawn(tl: Timeline) -> Timeline:
     if end is None:
         return tl
     n = sum(1 for x in tl.t if x <= end)
+    t, allocated, reserved = tl.t[:n], tl.allocated[:n], tl.reserved[:n]
+    if t and t[-1] < end:
+        # What was held at the last allocation stayed held until the error was raised.
+        t, allocated, reserved = (*t, end), (*allocated, allocated[-1]), (*reserved, reserved[-1])
     return replace(
-        tl,
-        t=tl.t[:n],
-        allocated=tl.allocated[:n],
-        reserved=tl.reserved[:n],
-        steps=tuple(x for x in tl.steps if x <= end),
+        tl, t=t, allocated=allocated, reserved=reserved, steps=tuple(x for x in tl.steps if x <= end)
     )
 
 

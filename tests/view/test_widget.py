@@ -248,3 +248,6 @@ def test_the_timeline_picture_ends_where_the_run_ended():
     shown = drawn(tl)
     assert shown.t == (0.0, 0.1, 0.2) and shown.allocated == (1, 5, 9) and shown.steps == (0.05,)
     assert drawn(replace(tl, oom_at=None)) == replace(tl, oom_at=None)
+    # Raised a moment after its last allocation: the memory held then is drawn up to the error.
+    late = drawn(replace(tl, oom_at=0.3))
+    assert late.t == (0.0, 0.1, 0.2, 0.3) and late.allocated == (1, 5, 9, 9)
