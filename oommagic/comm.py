@@ -15,7 +15,8 @@ Protocol version 1 (the frontend end is ``labextension/src/protocol.ts``):
 - a run that fits with a rewritten source carries ``write`` (``diagnosis/write_back.py``: the cell's body,
   and the notebook functions it redefined with their text as the notebook holds it); after a fix pressed
   in the report widget fits, the kernel sends ``{"version": 1, "type": "write", "run": <id>, "cell_id":
-  ..., "write": {...}}`` and the frontend writes it into the notebook (unless its setting says not to).
+  ..., "write": {...}}`` and the frontend writes it into the notebook (unless its setting says not to), then
+  answers ``{"type": "written", "run": <id>}``.
 
 Uses the ``comm`` package, which ipykernel wires to the kernel; outside a kernel (terminal IPython, a
 script) ``comm.create_comm`` gives a comm that sends nothing, so ``publish`` builds no message, and
@@ -26,7 +27,7 @@ ipykernel is never imported here. Each run's message body is built once: a front
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .cellrun import CellRun
@@ -44,6 +45,8 @@ _runs: Sequence[CellRun] = ()
 _actions: Any = None
 # run id -> (the run, its CellRun.to_json()): a run is frozen, its body the same at every send.
 _bodies: dict[str, tuple[CellRun, dict[str, Any]]] = {}
+# run id -> what to call when the frontend wrote that run into the notebook.
+_on_written: dict[str, Callable[[str], None]] = {}
 
 
 def serve(actions: Any) -> None:
@@ -86,14 +89,18 @@ def _write_of(run: CellRun) -> dict[str, Any] | None:
     return cell_write(run.source, original, helpers).to_json()
 
 
-def write_to_cell(run: CellRun) -> None:
+def write_to_cell(run: CellRun, on_written: Callable[[str], None] | None = None) -> None:
     """Ask the frontend to write ``run`` (a fix pressed in the report widget that fits) into its notebook
-    cell, so that the notebook says what the kernel now runs. Never raises; nothing outside a kernel."""
+    cell, so that the notebook says what the kernel now runs; ``on_written(run.id)`` is called when the
+    frontend answers that it did (``{"type": "written", "run": <id>}``). Never raises; nothing outside a
+    kernel."""
     if not _in_kernel() or run.cell_id is None:
         return
     write = _body(run)["write"]
     if write is None:
         return
+    if on_written is not None:
+        _on_written[run.id] = on_written
     try:
         _open().send(
             {
@@ -161,6 +168,13 @@ def _on_msg(msg: dict[str, Any]) -> None:
             log.warning("oommagic: could not answer the sidebar's sync", exc_info=True)
     elif kind in ("remove", "apply") and _actions is not None:
         _act(kind, data)
+    elif kind == "written":
+        done = _on_written.pop(str(data.get("run")), None)
+        if done is not None:
+            try:
+                done(str(data.get("run")))
+            except Exception:  # a view's bug must not break the comm
+                log.warning("oommagic: the report could not show that its fix was written", exc_info=True)
 
 
 def _act(kind: str, data: dict[str, Any]) -> None:

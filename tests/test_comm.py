@@ -280,8 +280,9 @@ def execute_in_cell(kc: Any, code: str, cell_id: str) -> list[dict]:
 def test_a_fix_pressed_in_the_report_is_sent_to_be_written_where_the_notebook_defines_it(kernel: Any) -> None:
     execute(kernel, FAILING)
     execute_in_cell(kernel, HELPER, "cell-defs")
-    ran = of_type(execute_in_cell(kernel, CALLS_HELPER, "cell-fails"), "comm_msg")
-    failed = [m["data"]["run"] for m in ran if m["data"].get("type") == "run"][-1]
+    msgs = execute_in_cell(kernel, CALLS_HELPER, "cell-fails")
+    [opened] = [m for m in of_type(msgs, "comm_open") if m["target_name"] == "oommagic"]
+    failed = [m["data"]["run"] for m in of_type(msgs, "comm_msg") if m["data"].get("type") == "run"][-1]
     assert failed["outcome"] == "oom" and failed["plan"]["entries"][0]["kind"] == "batch"
 
     # The report's first button, pressed as a person would.
@@ -298,3 +299,12 @@ def test_a_fix_pressed_in_the_report_is_sent_to_be_written_where_the_notebook_de
     assert train["name"] == "train" and train["was"] == HELPER
     assert train["now"].startswith("def train(") and train["now"] != HELPER.rstrip()
     assert fitted["write"] == write["write"]
+
+    # Until the frontend says it wrote it, the report says what the kernel now runs that the cell does not.
+    def headline() -> str:
+        shown = execute(kernel, "print(oommagic.report_widget().headline.value)")
+        return "".join(m["text"] for m in of_type(shown, "stream"))
+
+    assert "The cell still shows what you wrote" in headline() and "<code>train</code>" in headline()
+    send_comm_msg(kernel, opened["comm_id"], {"type": "written", "run": fitted["id"]})
+    assert "Written into the notebook" in headline()

@@ -170,7 +170,10 @@ export class NotebookRuns implements IDisposable {
       return;
     }
     try {
-      if (!writeRun(this.panel, cellId, write)) {
+      if (writeRun(this.panel, cellId, write)) {
+        // The report in the kernel says the notebook now holds what it ran.
+        this.comm.send({ type: 'written', run: runId });
+      } else {
         this.notify(
           'The cell of that fix is not in this notebook any more: nothing was written.'
         );

@@ -10,7 +10,8 @@
  * arrives as a `run` message whose `parent` is `<id>`, a refusal as
  * `{"version":1,"type":"error","run":<id>,"message":"..."}`. After a fix pressed in the report fits, the
  * kernel sends `{"version":1,"type":"write","run":<id>,"cell_id":...,"write":{body, functions}}`: the
- * frontend writes it into the notebook (the setting "Write fixes into cells"). Parsing never throws: anything else becomes
+ * frontend writes it into the notebook (the setting "Write fixes into cells") and answers
+ * `{"type":"written","run":<id>}`, which the report turns into "Written into the notebook". Parsing never throws: anything else becomes
  * an `unknown` message whose notice the panel shows in one line.
  *
  * `test/fixtures/cellrun.json` holds runs that Python's `CellRun.to_json()` wrote
@@ -240,10 +241,11 @@ export type KernelMessage =
 /** Ask the kernel to send its hello again. */
 export const SYNC_REQUEST = { type: 'sync' } as const;
 
-/** What the sidebar asks the kernel to do with a run. */
+/** What the sidebar asks the kernel to do with a run, or tells it (`written`: run written into cells). */
 export type ActionRequest =
   | { type: 'apply'; run: string; entry: number }
-  | { type: 'remove'; run: string; index: number };
+  | { type: 'remove'; run: string; index: number }
+  | { type: 'written'; run: string };
 
 /** Run `run`'s cell again with its plan entry `entry` stacked on the fixes in force. */
 export function applyRequest(run: string, entry: number): ActionRequest {

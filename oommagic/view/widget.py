@@ -293,7 +293,7 @@ class ReportWidget:
         self.runs.append(run)
         self.show(run)
         if run.outcome == "ok":
-            self.headline.value = _fitted_html(run)
+            self.headline.value = _fitted_html(run, self._redefined(run))
 
     @property
     def latest(self) -> CellRun:
@@ -463,13 +463,26 @@ class ReportWidget:
         self.show(new)
         if new.outcome == "ok":
             self.output.clear_output()
-            self.headline.value = _fitted_html(new)
+            self.headline.value = _fitted_html(new, self._redefined(new))
             self.change.value = change_html(new)
             if fixes:
                 from .. import comm
 
-                # The frontend writes the source that fitted into the notebook (JupyterLab, Notebook 7).
-                comm.write_to_cell(new)
+                # JupyterLab and Notebook 7 write the source that fitted into the notebook, and say so.
+                comm.write_to_cell(new, on_written=self._written)
+
+    def _redefined(self, run: CellRun) -> tuple[str, ...]:
+        """The notebook functions ``run`` redefined (the kernel now runs the new ones)."""
+        from ..diagnosis.write_back import cell_write
+
+        root = self.runs[0]
+        helpers = root.context.helpers if root.context is not None else ()
+        return tuple(f.name for f in cell_write(run.source, run.original or run.source, helpers).functions)
+
+    def _written(self, run_id: str) -> None:
+        """The frontend wrote run ``run_id`` into the notebook: the report says so."""
+        if self.latest.id == run_id and self.latest.outcome == "ok":
+            self.headline.value = _fitted_html(self.latest, written=True)
 
     def find_batch(self, button: Any, run: CellRun, name: str) -> Any:
         """Search the largest ``name`` that fits (``%%gpumem --find-batch``) into the output area."""
@@ -518,15 +531,36 @@ def change_html(run: CellRun) -> str:
     )
 
 
-def _fitted_html(run: CellRun) -> str:
+def _fitted_html(run: CellRun, redefined: tuple[str, ...] = (), written: bool = False) -> str:
+    """The headline of a run that fits after a fix, and whether the notebook says what the kernel ran:
+    ``written`` once the frontend wrote it; else the names the kernel now holds rewritten."""
     extra = "".join(f"<div style='color:#555'>{_esc(x)}</div>" for x in fitted_lines(run)[1:])
     busy = f", GPU busy {run.gpu_busy:.0f}%" if run.gpu_busy is not None else ""
+    if written:
+        notebook = (
+            " <span class='oommagic-written'>Written into the notebook: Ctrl+Z in a changed cell "
+            "undoes it.</span>"
+        )
+    elif run.source != (run.original or run.source):
+        one = len(redefined) == 1
+        names = ", ".join(f"<code>{_esc(n)}</code>" for n in redefined)
+        kernel = (
+            f" In the kernel {names} {'is' if one else 'are'} now the rewritten {'one' if one else 'ones'}: "
+            f"cells that call {'it' if one else 'them'} run the new code."
+            if redefined
+            else ""
+        )
+        notebook = (
+            f" <span class='oommagic-not-written'>The cell still shows what you wrote.{kernel} The change to "
+            "paste is under “What changed in the cell”.</span>"
+        )
+    else:
+        notebook = ""
     return block(
         "<div class='oommagic-retry-ok' style='border-left:4px solid #2e7d32;padding:0.3em 0.6em'>"
         f"<b style='color:#2e7d32'>%%gpumem · fits</b> with {_esc(run.change or 'the cell as written')}: "
         f"peak {_esc(format_bytes(run.peak_reserved))} of {_esc(format_bytes(run.budget))}, headroom "
-        f"{_esc(format_bytes(run.headroom))}{_esc(busy)}. JupyterLab and Notebook 7 write this change into "
-        f"the notebook (Ctrl+Z undoes it); elsewhere copy it from “What changed in the cell”.{extra}</div>"
+        f"{_esc(format_bytes(run.headroom))}{_esc(busy)}.{notebook}{extra}</div>"
     )
 
 

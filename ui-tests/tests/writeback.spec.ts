@@ -111,6 +111,10 @@ test.describe('a fix pressed in the report', () => {
       expect(failing).toMatch(/^batch_size = \d+$/m);
       expect(failing).not.toContain('batch_size = 64');
       expect(failing.endsWith('train(model, opt, batch_size)')).toBe(true);
+      // The report in the kernel heard back: it no longer tells what to paste.
+      await expect(report.locator('.oommagic-written')).toHaveText(
+        'Written into the notebook: Ctrl+Z in a changed cell undoes it.'
+      );
       await page.screenshot({ path: `${SHOTS}/writeback-02-written.png` });
       // The fitted card offers no second "Apply to cell": the notebook says it already.
       await expect(panel.locator('.oommagic-run-fits')).toHaveCount(1);
