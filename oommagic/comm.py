@@ -27,6 +27,7 @@ ipykernel is never imported here. Each run's message body is built once: a front
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,8 +46,9 @@ _runs: Sequence[CellRun] = ()
 _actions: Any = None
 # run id -> (the run, its CellRun.to_json()): a run is frozen, its body the same at every send.
 _bodies: dict[str, tuple[CellRun, dict[str, Any]]] = {}
-# run id -> what to call when the frontend wrote that run into the notebook.
-_on_written: dict[str, Callable[[str], None]] = {}
+# run id -> the bound method to call when the frontend wrote that run into the notebook (weakly held: a
+# report closed meanwhile is not kept alive for an answer that may never come).
+_on_written: dict[str, weakref.WeakMethod] = {}
 
 
 def serve(actions: Any) -> None:
@@ -91,16 +93,16 @@ def _write_of(run: CellRun) -> dict[str, Any] | None:
 
 def write_to_cell(run: CellRun, on_written: Callable[[str], None] | None = None) -> None:
     """Ask the frontend to write ``run`` (a fix pressed in the report widget that fits) into its notebook
-    cell, so that the notebook says what the kernel now runs; ``on_written(run.id)`` is called when the
-    frontend answers that it did (``{"type": "written", "run": <id>}``). Never raises; nothing outside a
-    kernel."""
+    cell, so that the notebook says what the kernel now runs; the bound method ``on_written(run.id)`` is
+    called when the frontend answers that it did (``{"type": "written", "run": <id>}``). Never raises;
+    nothing outside a kernel."""
     if not _in_kernel() or run.cell_id is None:
         return
     write = _body(run)["write"]
     if write is None:
         return
     if on_written is not None:
-        _on_written[run.id] = on_written
+        _on_written[run.id] = weakref.WeakMethod(on_written)  # type: ignore[arg-type]
     try:
         _open().send(
             {
@@ -169,7 +171,8 @@ def _on_msg(msg: dict[str, Any]) -> None:
     elif kind in ("remove", "apply") and _actions is not None:
         _act(kind, data)
     elif kind == "written":
-        done = _on_written.pop(str(data.get("run")), None)
+        ref = _on_written.pop(str(data.get("run")), None)
+        done = ref() if ref is not None else None
         if done is not None:
             try:
                 done(str(data.get("run")))

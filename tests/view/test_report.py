@@ -1,6 +1,7 @@
 """The report reads at a glance: a one-line headline, the memory by category against the budget, the fix
 plan and its buttons, the timeline, and folded the findings, the largest allocations, two runs side by
-side and the figures; the text form in the same order. A real shell, a real CPU out-of-memory error, buttons clicked."""
+side and the figures; the text form in the same order. A real shell, a real CPU out-of-memory error,
+buttons clicked."""
 
 from __future__ import annotations
 
