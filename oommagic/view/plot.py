@@ -30,7 +30,7 @@ def drawn(tl: Timeline) -> Timeline:
     )
 
 
-def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.4) -> bytes:
+def timeline_png(run: CellRun, width: float = 7.0, height: float = 2.0) -> bytes:
     """PNG bytes of ``run``'s timeline."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
