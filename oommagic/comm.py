@@ -11,7 +11,12 @@ Protocol version 1 (the frontend end is ``labextension/src/protocol.ts``):
 - the frontend sends ``{"type": "remove", "run": <id>, "index": <i>}`` to run that run's cell again without
   the fix at ``applied[i]``, and ``{"type": "apply", "run": <id>, "entry": <k>}`` to run it with the fix
   plan's entry ``k``; the new run arrives as a ``run`` message (its ``parent`` is ``<id>``), or, when the
-  action cannot be done, ``{"version": 1, "type": "error", "run": <id>, "message": "..."}``.
+  action cannot be done, ``{"version": 1, "type": "error", "run": <id>, "message": "..."}``;
+- a run that fits with a rewritten source carries ``write`` (``diagnosis/write_back.py``: the cell's body,
+  and the notebook functions it redefined with their text as the notebook holds it); after a fix pressed
+  in the report widget fits, the kernel sends ``{"version": 1, "type": "write", "run": <id>, "cell_id":
+  ..., "write": {...}}`` and the frontend writes it into the notebook (unless its setting says not to), then
+  answers ``{"type": "written", "run": <id>}``.
 
 Uses the ``comm`` package, which ipykernel wires to the kernel; outside a kernel (terminal IPython, a
 script) ``comm.create_comm`` gives a comm that sends nothing, so ``publish`` builds no message, and
@@ -22,7 +27,8 @@ ipykernel is never imported here. Each run's message body is built once: a front
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .cellrun import CellRun
@@ -40,6 +46,9 @@ _runs: Sequence[CellRun] = ()
 _actions: Any = None
 # run id -> (the run, its CellRun.to_json()): a run is frozen, its body the same at every send.
 _bodies: dict[str, tuple[CellRun, dict[str, Any]]] = {}
+# run id -> the bound method to call when the frontend wrote that run into the notebook (weakly held: a
+# report closed meanwhile is not kept alive for an answer that may never come).
+_on_written: dict[str, weakref.WeakMethod] = {}
 
 
 def serve(actions: Any) -> None:
@@ -61,8 +70,53 @@ def run_message(run: CellRun) -> dict[str, Any]:
 def _body(run: CellRun) -> dict[str, Any]:
     kept = _bodies.get(run.id)
     if kept is None or kept[0] is not run:
-        kept = _bodies[run.id] = (run, run.to_json())
+        kept = _bodies[run.id] = (run, {**run.to_json(), "write": _write_of(run)})
     return kept[1]
+
+
+def _write_of(run: CellRun) -> dict[str, Any] | None:
+    """What writing ``run`` into the notebook changes, for a run that fits with a rewritten source."""
+    from .diagnosis.write_back import cell_write
+
+    original = run.original or run.source
+    if run.outcome != "ok" or run.source == original:
+        return None
+    # The functions as the notebook holds them were read by the run the person started (the root).
+    by_id = {r.id: r for r in _runs}
+    root, seen = run, set()
+    while root.parent in by_id and root.id not in seen:
+        seen.add(root.id)
+        root = by_id[root.parent]
+    helpers = root.context.helpers if root.context is not None else ()
+    return cell_write(run.source, original, helpers).to_json()
+
+
+def write_to_cell(run: CellRun, on_written: Callable[[str], None] | None = None) -> None:
+    """Ask the frontend to write ``run`` (a fix pressed in the report widget that fits) into its notebook
+    cell, so that the notebook says what the kernel now runs; the bound method ``on_written(run.id)`` is
+    called when the frontend answers that it did (``{"type": "written", "run": <id>}``). Never raises;
+    nothing outside a kernel."""
+    if not _in_kernel() or run.cell_id is None:
+        return
+    write = _body(run)["write"]
+    if write is None:
+        return
+    if on_written is not None:
+        _on_written[run.id] = weakref.WeakMethod(on_written)  # type: ignore[arg-type]
+    try:
+        _open().send(
+            {
+                "version": PROTOCOL_VERSION,
+                "type": "write",
+                "run": run.id,
+                "cell_id": run.cell_id,
+                "write": write,
+            }
+        )
+    except Exception:
+        log.warning(
+            "oommagic: could not ask the frontend to write run %s into its cell", run.id, exc_info=True
+        )
 
 
 def publish(run: CellRun, runs: Sequence[CellRun]) -> None:
@@ -116,6 +170,14 @@ def _on_msg(msg: dict[str, Any]) -> None:
             log.warning("oommagic: could not answer the sidebar's sync", exc_info=True)
     elif kind in ("remove", "apply") and _actions is not None:
         _act(kind, data)
+    elif kind == "written":
+        ref = _on_written.pop(str(data.get("run")), None)
+        done = ref() if ref is not None else None
+        if done is not None:
+            try:
+                done(str(data.get("run")))
+            except Exception:  # a view's bug must not break the comm
+                log.warning("oommagic: the report could not show that its fix was written", exc_info=True)
 
 
 def _act(kind: str, data: dict[str, Any]) -> None:

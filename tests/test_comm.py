@@ -249,3 +249,62 @@ def test_the_sidebar_applies_a_plan_entry_and_removes_a_fix(kernel: Any) -> None
         send_comm_msg(kernel, opened["comm_id"], {"type": "remove", "run": "nope", "index": 0}), "comm_msg"
     )
     assert sent[-1]["data"]["type"] == "error" and "no run" in sent[-1]["data"]["message"]
+
+
+HELPER = """def train(model, opt, batch_size):
+    for _ in range(2):
+        x = torch.randn(batch_size, 64, 256)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+"""
+CALLS_HELPER = """%%gpumem --limit 24MiB --no-raise
+batch_size = 64
+model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+train(model, opt, batch_size)
+"""
+
+
+def execute_in_cell(kc: Any, code: str, cell_id: str) -> list[dict]:
+    """Execute ``code`` as JupyterLab runs a cell: the cell's model id in the request's metadata."""
+    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+               "allow_stdin": False, "stop_on_error": True}  # fmt: skip
+    msg = kc.session.msg("execute_request", content, metadata={"cellId": cell_id})
+    kc.shell_channel.send(msg)
+    msgs = until_idle(kc, msg["header"]["msg_id"])
+    assert not of_type(msgs, "error"), of_type(msgs, "error")
+    return msgs
+
+
+def test_a_fix_pressed_in_the_report_is_sent_to_be_written_where_the_notebook_defines_it(kernel: Any) -> None:
+    execute(kernel, FAILING)
+    execute_in_cell(kernel, HELPER, "cell-defs")
+    msgs = execute_in_cell(kernel, CALLS_HELPER, "cell-fails")
+    [opened] = [m for m in of_type(msgs, "comm_open") if m["target_name"] == "oommagic"]
+    failed = [m["data"]["run"] for m in of_type(msgs, "comm_msg") if m["data"].get("type") == "run"][-1]
+    assert failed["outcome"] == "oom" and failed["plan"]["entries"][0]["kind"] == "batch"
+
+    # The report's first button, pressed as a person would.
+    pressed = execute(kernel, "import oommagic; oommagic.report_widget().click('batch')")
+    sent = [m["data"] for m in of_type(pressed, "comm_msg") if m["data"].get("type") in ("run", "write")]
+    assert [d["type"] for d in sent] == ["run", "write"]
+    fitted, write = sent[0]["run"], sent[1]
+    assert fitted["outcome"] == "ok" and write["run"] == fitted["id"] and write["cell_id"] == "cell-fails"
+    # The cell gets its own lines back, with the new batch; train goes back to the cell that defines it.
+    body = write["write"]["body"]
+    assert "def train" not in body and "batch_size = 64" not in body
+    assert body.endswith("train(model, opt, batch_size)")
+    [train] = write["write"]["functions"]
+    assert train["name"] == "train" and train["was"] == HELPER
+    assert train["now"].startswith("def train(") and train["now"] != HELPER.rstrip()
+    assert fitted["write"] == write["write"]
+
+    # Until the frontend says it wrote it, the report says what the kernel now runs that the cell does not.
+    def headline() -> str:
+        shown = execute(kernel, "print(oommagic.report_widget().headline.value)")
+        return "".join(m["text"] for m in of_type(shown, "stream"))
+
+    assert "The cell still shows what you wrote" in headline() and "<code>train</code>" in headline()
+    send_comm_msg(kernel, opened["comm_id"], {"type": "written", "run": fitted["id"]})
+    assert "Written into the notebook" in headline()

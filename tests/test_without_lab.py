@@ -73,6 +73,8 @@ def test_widget_report_and_retry_work_with_no_lab_extension(monkeypatch):
     buttons = [m["state"] for m in models.values() if m["model_name"] == "ButtonModel"]
     assert any("oommagic-fix-batch" in b["_dom_classes"] for b in buttons), "a smaller-batch button"
     assert "oommagic-retry-ok" in state, "the widget shows the retry that fit"
+    # No frontend here writes the fix into the cell: the report says so, and where the change to paste is.
+    assert "The cell still shows what you wrote" in state and "What changed in the cell" in state
 
     printed = "".join(o.get("text", "") for o in click.outputs if o.output_type == "stream")
     assert not [o for o in click.outputs if o.output_type == "error"], printed

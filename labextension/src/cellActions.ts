@@ -7,7 +7,8 @@
 import { Cell } from '@jupyterlab/cells';
 import { Notebook, NotebookActions, NotebookPanel } from '@jupyterlab/notebook';
 
-import { fixedCellSource } from './fix';
+import { fixedCellSource, writtenSources } from './fix';
+import { CellWriteJson } from './protocol';
 
 export interface FoundCell {
   index: number;
@@ -63,6 +64,53 @@ export async function applyFix(
   shared.setSource(source);
   stopCapturing(shared);
   return retryCell(panel, cellId);
+}
+
+/**
+ * Write a fitted run into the notebook (`write`: the cell's body and the functions it redefined, each
+ * back into the cell that defines it), without running anything: the kernel already ran it. Each cell
+ * changed is one undoable step of its own (Ctrl+Z in it brings its text back). False when the run's
+ * cell is gone.
+ */
+export function writeRun(
+  panel: NotebookPanel,
+  cellId: string | null,
+  write: CellWriteJson
+): boolean {
+  const notebook = panel.content;
+  const found = findCell(notebook, cellId);
+  if (!found) {
+    return false;
+  }
+  const cells = notebook.widgets;
+  const next = writtenSources(
+    cells.map(cell => cell.model.sharedModel.getSource()),
+    found.index,
+    write
+  );
+  for (const [i, source] of next) {
+    const shared = cells[i].model.sharedModel;
+    stopCapturing(shared);
+    shared.setSource(source);
+    stopCapturing(shared);
+  }
+  return true;
+}
+
+/** Whether the notebook already says what `write` would write (nothing would change). */
+export function isWritten(
+  panel: NotebookPanel,
+  cellId: string | null,
+  write: CellWriteJson
+): boolean {
+  const found = findCell(panel.content, cellId);
+  if (!found) {
+    return false;
+  }
+  const sources = panel.content.widgets.map(cell =>
+    cell.model.sharedModel.getSource()
+  );
+  return writtenSources(sources, found.index, write).size === 0;
 }
 
 /** Run the cell as it is now. False when the cell is gone. */

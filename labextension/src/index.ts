@@ -81,6 +81,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       if (!runs) {
         runs = new NotebookRuns(notebook);
         runs.keep = settings.runsKept;
+        runs.writeFixes = settings.writeFixes;
         runsOf.set(notebook, runs);
         notebook.disposed.connect(() => {
           runsOf.get(notebook)?.dispose();
@@ -110,7 +111,10 @@ const plugin: JupyterFrontEndPlugin<void> = {
           followSettings(loaded, values => {
             settings = values;
             panel.configure(values);
-            runsOf.forEach(runs => (runs.keep = values.runsKept));
+            runsOf.forEach(runs => {
+              runs.keep = values.runsKept;
+              runs.writeFixes = values.writeFixes;
+            });
           })
         )
         .catch(reason =>

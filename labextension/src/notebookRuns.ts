@@ -2,6 +2,10 @@
  * The `%%gpumem` runs of one open notebook: live runs from its kernel's comm and saved summaries
  * from its cells' metadata. Kept for every open notebook (not only the visible one) so that a run
  * finishing in a background notebook is still written into that notebook's cell.
+ *
+ * Saved runs are those of the notebook as it was saved (or opened): a summary written into a cell's
+ * metadata during this session is a saved run only once the notebook is saved, so a kernel restart
+ * in a notebook never saved lists nothing.
  */
 
 import { ICellModel } from '@jupyterlab/cells';
@@ -9,9 +13,15 @@ import { NotebookPanel } from '@jupyterlab/notebook';
 import { IDisposable } from '@lumino/disposable';
 import { ISignal, Signal } from '@lumino/signaling';
 
+import { writeRun } from './cellActions';
 import { KernelComm } from './kernelComm';
 import { clearsCellError } from './plan';
-import { ActionRequest, CellRunJson, KernelMessage } from './protocol';
+import {
+  ActionRequest,
+  CellRunJson,
+  CellWriteJson,
+  KernelMessage
+} from './protocol';
 import { listRuns, mergeLive, RunEntry, SavedCell } from './runs';
 import { removeOutOfMemoryErrors } from './staleError';
 import {
@@ -32,7 +42,16 @@ export class NotebookRuns implements IDisposable {
     this.comm.received.connect(this._onMessage, this);
     this.comm.reset.connect(this._onReset, this);
     // Saved runs can only be read once the notebook's content is loaded.
-    void panel.context.ready.then(() => this._changed.emit());
+    void panel.context.ready.then(() => {
+      this._onDisk = this._summaryIds();
+      this._changed.emit();
+    });
+    panel.context.saveState.connect((_, state) => {
+      if (state === 'completed') {
+        this._onDisk = this._summaryIds();
+        this._changed.emit();
+      }
+    }, this);
   }
 
   readonly panel: NotebookPanel;
@@ -40,6 +59,9 @@ export class NotebookRuns implements IDisposable {
 
   /** How many runs each cell keeps in its metadata (the setting "Runs kept per cell"). */
   keep = KEEP;
+
+  /** Whether a fix that fits is written into the notebook (the setting "Write fixes into cells"). */
+  writeFixes = true;
 
   /** Something the panel shows changed. */
   get changed(): ISignal<this, void> {
@@ -69,10 +91,13 @@ export class NotebookRuns implements IDisposable {
    * Ask the kernel to run `request` (apply a plan entry, remove a fix) on its run; `doing` is what the
    * card says meanwhile. The answer is a new run (its `parent` is the run) or a refusal.
    */
-  ask(request: ActionRequest, doing: string): void {
+  ask(request: ActionRequest, doing: string, write = false): void {
     this._refusals.delete(request.run);
     if (this.comm.send(request)) {
       this._pending.set(request.run, doing);
+      if (write) {
+        this._writeWhenFits.add(request.run);
+      }
     } else {
       this._refusals.set(
         request.run,
@@ -91,7 +116,10 @@ export class NotebookRuns implements IDisposable {
     return listRuns(this._live, this.savedCells());
   }
 
-  /** The summaries saved in the notebook's cells (read fresh: cells move, get deleted, get pasted). */
+  /**
+   * The summaries saved in the notebook's cells (read fresh: cells move, get deleted, get pasted), of
+   * the runs the notebook held when it was last saved or opened.
+   */
   savedCells(): SavedCell[] {
     const cells = this.panel.model?.cells;
     if (!cells) {
@@ -100,7 +128,9 @@ export class NotebookRuns implements IDisposable {
     const saved: SavedCell[] = [];
     for (let i = 0; i < cells.length; i++) {
       const cell = cells.get(i);
-      const runs = readSaved(cell.getMetadata(METADATA_KEY));
+      const runs = readSaved(cell.getMetadata(METADATA_KEY)).filter(run =>
+        this._onDisk.has(run.id)
+      );
       if (runs.length) {
         saved.push({
           cellId: cell.id,
@@ -134,10 +164,37 @@ export class NotebookRuns implements IDisposable {
     Signal.clearData(this);
   }
 
+  /** Write `write` (run `runId` fitted) into the notebook, if the setting lets it. */
+  write(runId: string, cellId: string | null, write: CellWriteJson): void {
+    if (!this.writeFixes) {
+      return;
+    }
+    try {
+      if (writeRun(this.panel, cellId, write)) {
+        // The report in the kernel says the notebook now holds what it ran.
+        this.comm.send({ type: 'written', run: runId });
+      } else {
+        this.notify(
+          'The cell of that fix is not in this notebook any more: nothing was written.'
+        );
+      }
+    } catch (error) {
+      this.notify(
+        `Could not write the fix into the cell: ${error instanceof Error ? error.message : String(error)}`
+      );
+    }
+    this._changed.emit();
+  }
+
   private _onMessage(_: KernelComm, message: KernelMessage): void {
+    if (message.kind === 'write') {
+      this.write(message.run, message.cellId, message.write);
+      return;
+    }
     if (message.kind === 'error') {
       const id = message.run ?? '';
       this._pending.delete(id);
+      this._writeWhenFits.delete(id);
       if (this._live.some(r => r.id === id)) {
         this._refusals.set(id, message.message);
       } else {
@@ -177,6 +234,13 @@ export class NotebookRuns implements IDisposable {
     }
     this._pending.delete(run.parent);
     this._refusals.delete(run.parent);
+    if (this._writeWhenFits.delete(run.parent) && run.outcome === 'ok') {
+      this.write(
+        run.id,
+        run.cell_id,
+        run.write ?? { body: run.source, functions: [] }
+      );
+    }
     if (!clearsCellError(run, this._live)) {
       return;
     }
@@ -192,6 +256,7 @@ export class NotebookRuns implements IDisposable {
   private _onReset(): void {
     this._live = [];
     this._pending.clear();
+    this._writeWhenFits.clear();
     this._refusals.clear();
     this._changed.emit();
   }
@@ -229,7 +294,22 @@ export class NotebookRuns implements IDisposable {
     }
   }
 
+  /** The ids of the runs summarised in the cells' metadata, as of the last save or opening. */
+  private _summaryIds(): Set<string> {
+    const ids = new Set<string>();
+    const cells = this.panel.model?.cells;
+    for (let i = 0; cells && i < cells.length; i++) {
+      for (const run of readSaved(cells.get(i).getMetadata(METADATA_KEY))) {
+        ids.add(run.id);
+      }
+    }
+    return ids;
+  }
+
   private _live: CellRunJson[] = [];
+  private _onDisk = new Set<string>();
+  /** Runs whose action asked for the fix to be written into the notebook once it fits. */
+  private _writeWhenFits = new Set<string>();
   private _notices: string[] = [];
   private _pending = new Map<string, string>();
   private _refusals = new Map<string, string>();

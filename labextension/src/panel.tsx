@@ -8,17 +8,28 @@ import { ReactWidget } from '@jupyterlab/ui-components';
 import { Message } from '@lumino/messaging';
 import * as React from 'react';
 
-import { applyFix, retryCell, revealCell } from './cellActions';
+import { applyFix, isWritten, retryCell, revealCell } from './cellActions';
 import { GpuPanelView, INotebookView } from './components/GpuPanelView';
 import { DeviceFeed } from './deviceFeed';
 import { gpuIcon } from './icon';
 import { NotebookRuns } from './notebookRuns';
-import { applyRequest, RemedyJson, removeRequest } from './protocol';
+import {
+  applyRequest,
+  CellRunJson,
+  CellWriteJson,
+  RemedyJson,
+  removeRequest
+} from './protocol';
 import { RunEntry } from './runs';
 import { DEFAULT_SETTINGS, PanelSettings } from './settings';
 
 export const PANEL_ID = 'oommagic-panel';
 export const PANEL_TITLE = 'GPU Memory';
+
+/** What writing `run` into the notebook changes (a kernel without `write`: its source, whole). */
+function writeOf(run: CellRunJson): CellWriteJson {
+  return run.write ?? { body: run.source, functions: [] };
+}
 
 export class GpuPanel extends ReactWidget {
   constructor(feed: DeviceFeed) {
@@ -83,16 +94,26 @@ export class GpuPanel extends ReactWidget {
         showDevices={this._settings.showDevices}
         showRuns={this._settings.showRuns}
         notebook={this._notebookView()}
-        busy={this._busy}
+        busy={this._busy || this._kernelBusy()}
         onDismissNotices={() => this._runs?.dismissNotices()}
         onReveal={entry => void this._reveal(entry)}
         onRetry={entry =>
           void this._act(entry, panel => retryCell(panel, entry.cellId))
         }
         onApply={(entry, remedy) => void this._apply(entry, remedy)}
-        onWrite={(entry, body) =>
-          void this._act(entry, panel => applyFix(panel, entry.cellId, body))
+        onApplyEntry={(entry, index, title) =>
+          this._runs?.ask(
+            applyRequest(entry.run.id, index),
+            `running with: ${title}; written into the cell once it fits`,
+            true
+          )
         }
+        onWriteFitted={entry => {
+          const run = entry.saved ? null : entry.run;
+          if (run) {
+            this._runs?.write(run.id, run.cell_id, writeOf(run));
+          }
+        }}
         onRunPlanEntry={(entry, index, title) =>
           this._runs?.ask(
             applyRequest(entry.run.id, index),
@@ -162,8 +183,26 @@ export class GpuPanel extends ReactWidget {
       cellIds,
       notices: runs.notices,
       pending: runs.pending,
-      refusals: runs.refusals
+      refusals: runs.refusals,
+      written: new Set(
+        runs.live
+          .filter(
+            run =>
+              run.outcome === 'ok' &&
+              run.source !== (run.original ?? run.source) &&
+              isWritten(panel, run.cell_id, writeOf(run))
+          )
+          .map(run => run.id)
+      )
     };
+  }
+
+  /**
+   * Whether the notebook's kernel is busy (running a cell, or a fix pressed in a report, which the
+   * kernel runs as a comm message): the buttons that would start a second run wait for it.
+   */
+  private _kernelBusy(): boolean {
+    return this._runs?.panel.sessionContext.session?.kernel?.status === 'busy';
   }
 
   private async _reveal(entry: RunEntry): Promise<void> {

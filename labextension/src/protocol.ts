@@ -8,7 +8,10 @@
  * `{"type":"apply","run":<id>,"entry":<k>}` (run the cell with plan entry k stacked on the fixes in
  * force) and `{"type":"remove","run":<id>,"index":<i>}` (run it without `applied[i]`); the new run
  * arrives as a `run` message whose `parent` is `<id>`, a refusal as
- * `{"version":1,"type":"error","run":<id>,"message":"..."}`. Parsing never throws: anything else becomes
+ * `{"version":1,"type":"error","run":<id>,"message":"..."}`. After a fix pressed in the report fits, the
+ * kernel sends `{"version":1,"type":"write","run":<id>,"cell_id":...,"write":{body, functions}}`: the
+ * frontend writes it into the notebook (the setting "Write fixes into cells") and answers
+ * `{"type":"written","run":<id>}`, which the report turns into "Written into the notebook". Parsing never throws: anything else becomes
  * an `unknown` message whose notice the panel shows in one line.
  *
  * `test/fixtures/cellrun.json` holds runs that Python's `CellRun.to_json()` wrote
@@ -160,6 +163,20 @@ export interface RankJson {
 /** A name the failed cell had bound to device memory, dropped with its attempt: `[name, bytes]`. */
 export type DroppedJson = [name: string, bytes: number];
 
+/** A notebook function a fix redefined: its text as the notebook holds it (null: unknown), and now. */
+export interface RedefinedJson {
+  name: string;
+  was: string | null;
+  now: string;
+}
+
+/** What writing a fitted run into the notebook changes (`oommagic/diagnosis/write_back.py`). */
+export interface CellWriteJson {
+  /** The cell's body without the `%%gpumem` line and without the redefined functions. */
+  body: string;
+  functions: RedefinedJson[];
+}
+
 /** One execution of a `%%gpumem` cell. Bytes are integers; null where nothing was measured. */
 export interface CellRunJson {
   version: number;
@@ -208,6 +225,8 @@ export interface CellRunJson {
   categories?: CategoryJson[];
   /** One row per process of a distributed run (newer kernels). */
   ranks?: RankJson[];
+  /** For a run that fits with a rewritten source: what writing it into the notebook changes. */
+  write?: CellWriteJson | null;
 }
 
 export type KernelMessage =
@@ -215,15 +234,18 @@ export type KernelMessage =
   | { kind: 'run'; run: CellRunJson; problems: string[] }
   /** The kernel could not do a sidebar action on run `run`. */
   | { kind: 'error'; run: string | null; message: string }
+  /** A fix pressed in the report fitted: write run `run` into the notebook. */
+  | { kind: 'write'; run: string; cellId: string | null; write: CellWriteJson }
   | { kind: 'unknown'; notice: string; detail: string };
 
 /** Ask the kernel to send its hello again. */
 export const SYNC_REQUEST = { type: 'sync' } as const;
 
-/** What the sidebar asks the kernel to do with a run. */
+/** What the sidebar asks the kernel to do with a run, or tells it (`written`: run written into cells). */
 export type ActionRequest =
   | { type: 'apply'; run: string; entry: number }
-  | { type: 'remove'; run: string; index: number };
+  | { type: 'remove'; run: string; index: number }
+  | { type: 'written'; run: string };
 
 /** Run `run`'s cell again with its plan entry `entry` stacked on the fixes in force. */
 export function applyRequest(run: string, entry: number): ActionRequest {
@@ -382,6 +404,17 @@ const readRanks: Reader<RankJson[]> = (value, at, problems) => {
   });
 };
 
+const REDEFINED: Shape<RedefinedJson> = {
+  name: text,
+  was: nullable(text),
+  now: text
+};
+
+const CELL_WRITE: Shape<CellWriteJson> = {
+  body: text,
+  functions: listOf(record(REDEFINED))
+};
+
 const OOM_REPORT: Shape<OOMReportJson> = {
   text,
   device: nullable(text),
@@ -444,7 +477,8 @@ export const CELL_RUN: Shape<CellRunJson> = {
   change: nullable(text),
   budget: optional(maybeBytes),
   categories: optional(readCategories),
-  ranks: optional(readRanks)
+  ranks: optional(readRanks),
+  write: optional(nullable(record(CELL_WRITE)))
 };
 
 /** Read a comm message's `data`; never throws. */
@@ -476,6 +510,23 @@ export function parseKernelMessage(data: unknown): KernelMessage {
     return checked
       ? { kind: 'run', run: checked.value, problems: checked.problems }
       : unknown(version, 'run without a valid run record');
+  }
+  if (data.type === 'write') {
+    const problems: string[] = [];
+    const write = record(CELL_WRITE)(data.write, 'write', problems);
+    return typeof data.run === 'string' &&
+      isObject(data.write) &&
+      !problems.length
+      ? {
+          kind: 'write',
+          run: data.run,
+          cellId: typeof data.cell_id === 'string' ? data.cell_id : null,
+          write
+        }
+      : unknown(
+          version,
+          `write without a valid cell write: ${problems.join('; ')}`
+        );
   }
   if (data.type === 'error') {
     return {

@@ -20,6 +20,8 @@ export interface PanelSettings {
   showRuns: boolean;
   /** How many runs each cell keeps in its metadata. */
   runsKept: number;
+  /** Write a fix pressed in the report into the notebook once it fits. */
+  writeFixes: boolean;
 }
 
 /** The bounds `schema/plugin.json` sets on the numbers (a test holds the two together). */
@@ -32,7 +34,8 @@ export const DEFAULT_SETTINGS: PanelSettings = {
   pollInterval: DEFAULT_INTERVAL_MS,
   showDevices: true,
   showRuns: true,
-  runsKept: KEEP
+  runsKept: KEEP,
+  writeFixes: true
 };
 
 /**
@@ -59,7 +62,12 @@ export function readPanelSettings(composite: unknown): PanelSettings {
     ),
     showDevices: flag(data.showDevices, DEFAULT_SETTINGS.showDevices),
     showRuns: flag(data.showRuns, DEFAULT_SETTINGS.showRuns),
-    runsKept: integer(data.runsKept, DEFAULT_SETTINGS.runsKept, BOUNDS.runsKept)
+    runsKept: integer(
+      data.runsKept,
+      DEFAULT_SETTINGS.runsKept,
+      BOUNDS.runsKept
+    ),
+    writeFixes: flag(data.writeFixes, DEFAULT_SETTINGS.writeFixes)
   };
 }
 

@@ -17,7 +17,9 @@ export function cardProps(
     onReveal: noop,
     onRetry: noop,
     onApply: noop,
-    onWrite: noop,
+    onApplyEntry: noop,
+    onWriteFitted: noop,
+    written: false,
     onRunPlanEntry: noop,
     onRemoveFix: noop,
     ...overrides

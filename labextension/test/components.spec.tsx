@@ -141,7 +141,8 @@ function render(settings: PanelSettings): string {
       onReveal={() => undefined}
       onRetry={() => undefined}
       onApply={() => undefined}
-      onWrite={() => undefined}
+      onApplyEntry={() => undefined}
+      onWriteFitted={() => undefined}
       onRunPlanEntry={() => undefined}
       onRemoveFix={() => undefined}
     />

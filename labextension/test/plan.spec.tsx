@@ -202,21 +202,22 @@ describe('the run card', () => {
   });
 
   it('offers "Apply to cell" for a single fix, and for a combination once its run fitted', () => {
-    const onWrite = jest.fn();
+    const onApplyEntry = jest.fn();
     const run = withPlan([combination, batch]);
-    show(run, { onWrite });
+    show(run, { onApplyEntry });
     const applies = (): string[] =>
       [...host.querySelectorAll('.oommagic-plan-entry')]
         .filter(e => e.querySelector('.oommagic-apply'))
         .map(e => e.getAttribute('data-entry')!);
     expect(applies()).toEqual(['1']);
     const ran = { ...fitted, applied: combination.fixes, source: 'both\n' };
-    show(run, { onWrite, retries: [ran] });
+    show(run, { onApplyEntry, retries: [ran] });
     expect(applies()).toEqual(['0', '1']);
     act(() =>
       host.querySelector<HTMLButtonElement>('.oommagic-apply')!.click()
     );
-    expect(onWrite).toHaveBeenCalledWith('both\n');
+    // The kernel runs the entry; the notebook gets it written once it fits.
+    expect(onApplyEntry).toHaveBeenCalledWith(0, combination.title);
   });
 
   it('says why nothing fits, and holds the buttons while the kernel works', () => {

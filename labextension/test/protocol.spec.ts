@@ -49,6 +49,36 @@ describe('parseKernelMessage', () => {
     });
   });
 
+  it('reads the request to write a fitted run into the notebook, and refuses a broken one', () => {
+    const write = {
+      body: 'batch_size = 16\ntrain(model)',
+      functions: [
+        {
+          name: 'train',
+          was: 'def train(m):\n    pass\n',
+          now: 'def train(m):\n    return'
+        }
+      ]
+    };
+    expect(
+      parseKernelMessage({
+        version: 1,
+        type: 'write',
+        run: 'r2',
+        cell_id: 'c1',
+        write
+      })
+    ).toEqual({ kind: 'write', run: 'r2', cellId: 'c1', write });
+    expect(
+      parseKernelMessage({
+        version: 1,
+        type: 'write',
+        run: 'r2',
+        write: { body: 3 }
+      })
+    ).toMatchObject({ kind: 'unknown' });
+  });
+
   it('turns an unknown version into a one-line notice instead of throwing', () => {
     const message = parseKernelMessage({
       version: 2,

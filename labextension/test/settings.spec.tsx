@@ -127,13 +127,15 @@ describe('readPanelSettings', () => {
         pollInterval: 10,
         runsKept: 1e6,
         showDevices: 'yes',
-        showRuns: false
+        showRuns: false,
+        writeFixes: 'no'
       })
     ).toEqual({
       pollInterval: 250,
       runsKept: 50,
       showDevices: true,
-      showRuns: false
+      showRuns: false,
+      writeFixes: true
     });
     expect(readPanelSettings(null)).toEqual(DEFAULT_SETTINGS);
   });

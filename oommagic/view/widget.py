@@ -1,6 +1,7 @@
 """The report widget, in the order a person reads it: a one-line headline, the memory by category against
-the budget, the timeline, the fix plan with its buttons, the fixes in force, the findings, the largest
-allocations, two runs side by side, and the figures folded away.
+the budget, the fix plan with its buttons, the fixes in force, the timeline, and folded under "Details" the
+findings, the largest allocations, two runs side by side and the figures: after a failure the whole report
+fits one screen (1400×900), the plan's first button on it.
 
 A view of ``CellRun`` records: it renders a run and forwards clicks to the session it was given
 (``actions``: ``retry``, ``remove``, ``search``, ``pending_error``); it executes nothing itself. A click
@@ -33,8 +34,8 @@ _STATUS = {
 _VERDICT_COLOUR = {FITS: "#2e7d32", "does not fit": "#c0392b"}
 
 
-# One size for every button of the report; a longer title is cut, the tooltip carries it whole.
-BUTTON = {"width": "19em", "height": "2.1em"}
+# Buttons are as wide as their short label (never cut); the tooltip carries the whole title.
+BUTTON = {"width": "auto", "height": "2.1em"}
 # JupyterLab gives widget HTML the line height of a widget row (28 px): wrapped text would read
 # double-spaced. Every block sets its own.
 _BLOCK = "line-height:1.4;margin:0.35em 0"
@@ -123,15 +124,23 @@ def ranks_html(run: CellRun) -> str:
 
 
 def plan_html(run: CellRun) -> str:
+    """The plan's entries with their verdicts, under one line that says how they were measured (the
+    entries say what fits: the plan's summary would say the first one twice)."""
     plan = run.plan
     if plan is None or not plan.entries:
         return ""
     rows = "".join(
-        f"<tr><td style='padding:0.1em 1.5em 0.1em 0'>{_esc(e.title)}</td>"
-        f"<td style='color:{_VERDICT_COLOUR.get(e.verdict, '#555')}'>{_esc(e.line())}</td></tr>"
-        for e in plan.entries
+        f"<tr><td style='padding:0.1em 1.5em 0.1em 0'>{i}. {_rich(e.title)}</td>"
+        f"<td style='color:{_VERDICT_COLOUR.get(e.verdict, '#555')}'>{_rich(e.line())}</td></tr>"
+        for i, e in enumerate(plan.entries, 1)
     )
-    parts = [f"<div><b>Fix plan</b> — {_rich(plan.summary)}</div>"]
+    how = (
+        f"{plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
+        f"{plan.budget_s:.0f} s budget; your model, optimizer, RNG and namespace were put back after each"
+        if plan.trials
+        else plan.summary
+    )
+    parts = [f"<div><b>Fix plan</b> <span style='color:#555'>— {_rich(how)}</span></div>"]
     if plan.unfittable:
         parts.append(f"<div class='oommagic-unfittable' style='color:#c0392b'>{_rich(plan.unfittable)}</div>")
     parts.append(f"<table class='oommagic-plan' style='border-collapse:collapse'>{rows}</table>")
@@ -234,24 +243,39 @@ class ReportWidget:
         self.save.add_class("oommagic-save-snapshot")
         self.save.on_click(lambda b: self.save_snapshot())
         self.tools_output = w.Output()
+        # The change the last fix made to the cell, folded: the notebook shows it, the kernel ran it.
+        self.change = w.HTML()
         self.buttons: list[Any] = []
         self._fixes: dict[Any, Fix] = {}
+        self.details = w.Accordion(
+            children=[
+                w.VBox(
+                    [
+                        self.findings,
+                        self.top,
+                        self.compare_box,
+                        self.table,
+                        w.HBox([self.save]),
+                        self.tools_output,
+                    ]
+                )
+            ],
+            selected_index=None,
+        )
+        self.details.set_title(0, "Details: findings, largest allocations, figures")
+        self.details.add_class("oommagic-details")
         self.root = w.VBox(
             [
                 self.headline,
                 self.bar,
-                self.plot,
                 self.plan,
                 self.fix_row,
-                self.applied_row,
                 self.output,
-                self.findings,
-                self.top,
-                self.compare_box,
+                self.change,
+                self.applied_row,
                 self.attempts,
-                self.table,
-                w.HBox([self.save]),
-                self.tools_output,
+                self.plot,
+                self.details,
             ],
             layout=w.Layout(max_width="1000px"),
         )
@@ -269,7 +293,7 @@ class ReportWidget:
         self.runs.append(run)
         self.show(run)
         if run.outcome == "ok":
-            self.headline.value = _fitted_html(run)
+            self.headline.value = _fitted_html(run, self._redefined(run))
 
     @property
     def latest(self) -> CellRun:
@@ -298,7 +322,7 @@ class ReportWidget:
         if run.outcome == "oom":
             for i, fix in enumerate(offered(run)):
                 button = w.Button(
-                    description=_short(fix.title, 30),
+                    description=label(fix.title),
                     tooltip=f"{fix.title}: {fix.line}" if fix.line else fix.title,
                     button_style="primary" if i == 0 and fix.verdict == FITS else "",
                     layout=w.Layout(**BUTTON),
@@ -313,7 +337,7 @@ class ReportWidget:
             if batch is not None:
                 name = batch.params["name"]
                 search = w.Button(
-                    description=_short(f"Find the largest {name}", 30),
+                    description=f"Find the largest {name}",
                     tooltip=f"search the largest {name} that fits (probes, a fit, a check)",
                     layout=w.Layout(**BUTTON),
                 )
@@ -380,7 +404,7 @@ class ReportWidget:
         items: list[Any] = [w.HTML("<b>Fixes in force:</b>")]
         for i, remedy in enumerate(run.applied):
             undo = w.Button(
-                description=f"✕ {_short(remedy.title, 28)}",
+                description=f"✕ {label(remedy.title)}",
                 tooltip=f"run without {remedy.title}",
                 layout=w.Layout(**BUTTON),
             )
@@ -423,14 +447,10 @@ class ReportWidget:
 
     def _act(self, action: Any, what: str, run: CellRun, fixes: tuple[Remedy, ...]) -> None:
         new = None
+        self.change.value = ""
         with self._one_at_a_time(), self.output:
             self.output.clear_output()
             print(what)
-            for remedy in fixes:
-                if remedy.new_source and remedy.new_source != run.source:
-                    from ..diagnosis.rewrite import unified_diff
-
-                    print(unified_diff(run.source, remedy.new_source))
             try:
                 new = action()
             except ValueError as err:
@@ -442,7 +462,27 @@ class ReportWidget:
         self.runs.append(new)
         self.show(new)
         if new.outcome == "ok":
-            self.headline.value = _fitted_html(new)
+            self.output.clear_output()
+            self.headline.value = _fitted_html(new, self._redefined(new))
+            self.change.value = change_html(new)
+            if fixes:
+                from .. import comm
+
+                # JupyterLab and Notebook 7 write the source that fitted into the notebook, and say so.
+                comm.write_to_cell(new, on_written=self._written)
+
+    def _redefined(self, run: CellRun) -> tuple[str, ...]:
+        """The notebook functions ``run`` redefined (the kernel now runs the new ones)."""
+        from ..diagnosis.write_back import cell_write
+
+        root = self.runs[0]
+        helpers = root.context.helpers if root.context is not None else ()
+        return tuple(f.name for f in cell_write(run.source, run.original or run.source, helpers).functions)
+
+    def _written(self, run_id: str) -> None:
+        """The frontend wrote run ``run_id`` into the notebook: the report says so."""
+        if self.latest.id == run_id and self.latest.outcome == "ok":
+            self.headline.value = _fitted_html(self.latest, written=True)
 
     def find_batch(self, button: Any, run: CellRun, name: str) -> Any:
         """Search the largest ``name`` that fits (``%%gpumem --find-batch``) into the output area."""
@@ -476,17 +516,55 @@ class ReportWidget:
         return bundle
 
 
-def _fitted_html(run: CellRun) -> str:
+def change_html(run: CellRun) -> str:
+    """What ``run``'s fixes changed in the cell as the person wrote it, as a folded diff (empty when they
+    changed no text)."""
+    written = run.original or run.source
+    if run.source == written:
+        return ""
+    from ..diagnosis.rewrite import unified_diff
+
+    diff = unified_diff(written, run.source)
+    return block(
+        "<details class='oommagic-change'><summary>What changed in the cell</summary>"
+        f"<pre style='margin:0.2em 0 0 1em;font-size:0.9em'>{_esc(diff)}</pre></details>"
+    )
+
+
+def _fitted_html(run: CellRun, redefined: tuple[str, ...] = (), written: bool = False) -> str:
+    """The headline of a run that fits after a fix, and whether the notebook says what the kernel ran:
+    ``written`` once the frontend wrote it; else the names the kernel now holds rewritten."""
     extra = "".join(f"<div style='color:#555'>{_esc(x)}</div>" for x in fitted_lines(run)[1:])
     busy = f", GPU busy {run.gpu_busy:.0f}%" if run.gpu_busy is not None else ""
+    if written:
+        notebook = (
+            " <span class='oommagic-written'>Written into the notebook: Ctrl+Z in a changed cell "
+            "undoes it.</span>"
+        )
+    elif run.source != (run.original or run.source):
+        one = len(redefined) == 1
+        names = ", ".join(f"<code>{_esc(n)}</code>" for n in redefined)
+        kernel = (
+            f" In the kernel {names} {'is' if one else 'are'} now the rewritten {'one' if one else 'ones'}: "
+            f"cells that call {'it' if one else 'them'} run the new code."
+            if redefined
+            else ""
+        )
+        notebook = (
+            f" <span class='oommagic-not-written'>The cell still shows what you wrote.{kernel} The change to "
+            "paste is under “What changed in the cell”.</span>"
+        )
+    else:
+        notebook = ""
     return block(
         "<div class='oommagic-retry-ok' style='border-left:4px solid #2e7d32;padding:0.3em 0.6em'>"
         f"<b style='color:#2e7d32'>%%gpumem · fits</b> with {_esc(run.change or 'the cell as written')}: "
         f"peak {_esc(format_bytes(run.peak_reserved))} of {_esc(format_bytes(run.budget))}, headroom "
-        f"{_esc(format_bytes(run.headroom))}{_esc(busy)}. The sidebar's “Apply to cell” writes this change "
-        f"into the cell.{extra}</div>"
+        f"{_esc(format_bytes(run.headroom))}{_esc(busy)}.{notebook}{extra}</div>"
     )
 
 
-def _short(title: str, width: int = 56) -> str:
-    return title if len(title) <= width else title[: width - 1] + "…"
+def label(title: str) -> str:
+    """A button's label: each fix's title without its parenthesis or the word "steps" ("Batch 256 → 16,
+    accumulate 16"); the tooltip carries the whole title."""
+    return " + ".join(re.sub(r" steps$", "", part.split(" (")[0]) for part in title.split(" + "))

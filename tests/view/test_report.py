@@ -1,6 +1,7 @@
-"""The report reads at a glance: a one-line headline, the memory by category against the budget, the
-timeline, the fix plan, the findings, the largest allocations, two runs side by side, the figures folded;
-the text form in the same order. A real shell, a real CPU out-of-memory error, buttons clicked."""
+"""The report reads at a glance: a one-line headline, the memory by category against the budget, the fix
+plan and its buttons, the timeline, and folded the findings, the largest allocations, two runs side by
+side and the figures; the text form in the same order. A real shell, a real CPU out-of-memory error,
+buttons clicked."""
 
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ def shown(widget) -> list:
     return [c for c in widget.root.children if getattr(c.layout, "display", None) != "none"]
 
 
-def test_report_reads_headline_bar_timeline_plan_then_figures_folded(shell, failed):
+def test_report_reads_headline_bar_plan_timeline_then_details_folded(shell, failed):
     widget = ReportWidget(failed, session_for(shell))
     order = shown(widget)
-    assert order.index(widget.headline) < order.index(widget.bar) < order.index(widget.plot)
-    assert order.index(widget.plot) < order.index(widget.plan) < order.index(widget.fix_row)
-    assert order.index(widget.findings) < order.index(widget.top) < order.index(widget.table)
+    assert order.index(widget.headline) < order.index(widget.bar) < order.index(widget.plan)
+    assert order.index(widget.plan) < order.index(widget.fix_row) < order.index(widget.plot)
+    assert order.index(widget.plot) < order.index(widget.details) and widget.details.selected_index is None
+    folded = list(widget.details.children[0].children)
+    assert folded.index(widget.findings) < folded.index(widget.top) < folded.index(widget.table)
     bar = widget.bar.value
     assert "Memory at the failure" in bar and "of 24.00 MiB" in bar
     assert "parameters" in bar and "activations &amp; temporaries" in bar

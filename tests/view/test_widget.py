@@ -217,3 +217,42 @@ def test_find_batch_button_searches_binds_the_answer_and_leaves_the_model(shell,
     assert shell.user_ns["model"] is model and shell.user_ns["opt"] is opt and checksum(model) == before
     assert opt.state == {} or len(opt.state) == 0
     assert not any(b.disabled for b in widget.buttons)
+
+
+def test_the_report_after_a_failure_shows_its_plan_first_and_folds_the_details(shell, failed):
+    widget = widget_for(shell, failed)
+    order = list(widget.root.children)
+    # Headline, memory bar, the plan and its buttons come before the timeline and the folded details.
+    assert order.index(widget.fix_row) < order.index(widget.plot) < order.index(widget.details)
+    assert widget.details.selected_index is None, "the details start folded"
+    folded = widget.details.children[0].children
+    assert widget.findings in folded and widget.table in folded and widget.top in folded
+    # The plan's figures are said once, in its rows, not again in a sentence above them.
+    assert widget.plan.value.count(widget.fixes[0].line) == 1
+    for button in widget.buttons:
+        assert "…" not in button.description and button.layout.width == "auto", button.description
+    first = widget.buttons[0]
+    assert first.tooltip.startswith(widget.fixes[0].title) and first.description in widget.fixes[0].title
+
+
+def test_a_button_label_is_the_fix_without_its_parenthesis():
+    from oommagic.view.widget import label
+
+    assert label("Batch 256 → 16, accumulate 16 steps (effective batch 256, was 256)") == (
+        "Batch 256 → 16, accumulate 16"
+    )
+    assert label("Gradient checkpointing + Batch 64 → 32") == "Gradient checkpointing + Batch 64 → 32"
+
+
+def test_the_timeline_picture_ends_where_the_run_ended():
+    from oommagic.timeline import Timeline
+    from oommagic.view.plot import drawn
+
+    tl = Timeline(t=(0.0, 0.1, 0.2, 0.6, 0.9), allocated=(1, 5, 9, 0, 0), reserved=(1, 5, 9, 0, 0))
+    tl = replace(tl, steps=(0.05, 0.7), oom_at=0.2)
+    shown = drawn(tl)
+    assert shown.t == (0.0, 0.1, 0.2) and shown.allocated == (1, 5, 9) and shown.steps == (0.05,)
+    assert drawn(replace(tl, oom_at=None)) == replace(tl, oom_at=None)
+    # Raised a moment after its last allocation: the memory held then is drawn up to the error.
+    late = drawn(replace(tl, oom_at=0.3))
+    assert late.t == (0.0, 0.1, 0.2, 0.3) and late.allocated == (1, 5, 9, 9)

@@ -1,8 +1,9 @@
 /**
  * The whole flow a user sees, in Chromium against a real JupyterLab and kernel (CPU mode, with
  * `--limit` emulating a 64 MiB card): the cell runs out of memory, the kernel-side report offers
- * fixes, one retries it; the sidebar lists the run with its diagnosis and writes the fix into the
- * cell as one undoable edit, and still shows the runs after a kernel restart and a page reload.
+ * fixes, one retries it and, once it fits, is written into the cell as one undoable edit; the sidebar
+ * lists the run with its diagnosis, has the kernel run a fix and writes it into the cell, and still
+ * shows the runs after a save and a kernel restart, and a page reload.
  */
 import {
   expect,
@@ -68,6 +69,18 @@ test.describe('oommagic in JupyterLab', () => {
         timeout: 1000
       });
       await cell.screenshot({ path: `${SHOTS}/02-widget-retry-ok.png` });
+
+      // The fix that fitted is written into the cell; one undo takes it back out.
+      await expect
+        .poll(async () => batchSize(await cellSource(page, 1)))
+        .toBeLessThan(64);
+      const undone = await page.evaluate(() => {
+        const model = (window as any).jupyterapp.shell.currentWidget.content
+          .widgets[1].model;
+        model.sharedModel.undo();
+        return model.sharedModel.getSource() as string;
+      });
+      expect(undone).toBe(OOM_CELL);
     });
 
     const panel = await openPanel(page);
@@ -89,7 +102,7 @@ test.describe('oommagic in JupyterLab', () => {
       });
     });
 
-    await test.step('"Apply to cell" rewrites the cell as one undoable edit and runs it', async () => {
+    await test.step('"Apply to cell" has the kernel run the fix and writes it as one undoable edit', async () => {
       const before = await cellSource(page, 1);
       await panel
         .locator('.oommagic-run-retried .oommagic-apply-batch')

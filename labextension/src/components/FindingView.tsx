@@ -2,6 +2,7 @@ import * as React from 'react';
 
 import { formatBytes } from '../format';
 import { FindingJson, RemedyJson } from '../protocol';
+import { RichText } from './RichText';
 
 export interface IFindingViewProps {
   finding: FindingJson;
@@ -20,7 +21,7 @@ export function FindingView({
   return (
     <li className="oommagic-finding" data-key={finding.key}>
       <div className="oommagic-finding-title">
-        {finding.title}
+        <RichText text={finding.title} />
         {finding.saving ? (
           <span className="oommagic-muted">
             {' '}
@@ -29,7 +30,9 @@ export function FindingView({
         ) : null}
       </div>
       {finding.evidence ? (
-        <div className="oommagic-finding-evidence">{finding.evidence}</div>
+        <div className="oommagic-finding-evidence">
+          <RichText text={finding.evidence} />
+        </div>
       ) : null}
       {onApply && rewrites.length ? (
         <div className="oommagic-actions">

@@ -16,6 +16,8 @@ export interface INotebookView {
   notices: readonly string[];
   pending: ReadonlyMap<string, string>;
   refusals: ReadonlyMap<string, string>;
+  /** Ids of the fitted runs the notebook already holds. */
+  written: ReadonlySet<string>;
 }
 
 export interface IGpuPanelViewProps {
@@ -30,7 +32,8 @@ export interface IGpuPanelViewProps {
   onReveal: (entry: RunEntry) => void;
   onRetry: (entry: RunEntry) => void;
   onApply: (entry: RunEntry, remedy: RemedyJson) => void;
-  onWrite: (entry: RunEntry, body: string) => void;
+  onApplyEntry: (entry: RunEntry, index: number, title: string) => void;
+  onWriteFitted: (entry: RunEntry) => void;
   onRunPlanEntry: (entry: RunEntry, index: number, title: string) => void;
   onRemoveFix: (entry: RunEntry, index: number, title: string) => void;
 }
@@ -70,7 +73,9 @@ export function GpuPanelView(props: IGpuPanelViewProps): JSX.Element {
                 onReveal={props.onReveal}
                 onRetry={props.onRetry}
                 onApply={props.onApply}
-                onWrite={props.onWrite}
+                onApplyEntry={props.onApplyEntry}
+                onWriteFitted={props.onWriteFitted}
+                written={notebook.written}
                 onRunPlanEntry={props.onRunPlanEntry}
                 onRemoveFix={props.onRemoveFix}
               />

@@ -2,6 +2,7 @@ import * as React from 'react';
 
 import { fittedRunOf, planRows, sourceToWrite } from '../plan';
 import { CellRunJson, FixPlanJson } from '../protocol';
+import { RichText } from './RichText';
 
 export interface IPlanViewProps {
   run: CellRunJson & { plan: FixPlanJson };
@@ -9,8 +10,11 @@ export interface IPlanViewProps {
   retries: readonly CellRunJson[];
   /** Null when the run's kernel is not this page's (nothing to send the request to). */
   onRun: ((index: number, title: string) => void) | null;
-  /** Null when the run's cell is not in the open notebook. */
-  onWrite: ((body: string) => void) | null;
+  /**
+   * Have the kernel run entry `index` and write it into the notebook once it fits; null when the
+   * run's cell is not in the open notebook.
+   */
+  onApply: ((index: number, title: string) => void) | null;
   busy: boolean;
 }
 
@@ -22,7 +26,7 @@ export function PlanView({
   run,
   retries,
   onRun,
-  onWrite,
+  onApply,
   busy
 }: IPlanViewProps): JSX.Element | null {
   const rows = planRows(run);
@@ -49,12 +53,12 @@ export function PlanView({
                   {recommended ? (
                     <span className="oommagic-plan-badge">recommended</span>
                   ) : null}
-                  {entry.title}
+                  <RichText text={entry.title} />
                 </div>
                 <div className={`oommagic-plan-line oommagic-verdict-text`}>
-                  {entry.line || entry.verdict}
+                  <RichText text={entry.line || entry.verdict} />
                 </div>
-                {(onRun && runnable) || (onWrite && body !== null) ? (
+                {(onRun && runnable) || (onApply && body !== null) ? (
                   <div className="oommagic-actions">
                     {onRun && runnable ? (
                       <button
@@ -67,13 +71,13 @@ export function PlanView({
                         {recommended ? 'Run with this fix' : 'Run with this'}
                       </button>
                     ) : null}
-                    {onWrite && body !== null ? (
+                    {onApply && body !== null ? (
                       <button
                         type="button"
                         className={`jp-Button jp-mod-styled jp-mod-reject oommagic-apply oommagic-apply-${entry.kind.replace(/[_+]/g, '-')}`}
-                        title={`Write ${entry.title} into the cell (undo with Ctrl+Z) and run it.`}
+                        title={`Run the cell with ${entry.title} and, once it fits, write it into the notebook (undo with Ctrl+Z in the cell).`}
                         disabled={busy}
-                        onClick={() => onWrite(body)}
+                        onClick={() => onApply(index, entry.title)}
                       >
                         Apply to cell
                       </button>
@@ -86,7 +90,9 @@ export function PlanView({
         </ol>
       ) : null}
       {unfittable ? (
-        <div className="oommagic-plan-unfittable">{unfittable}</div>
+        <div className="oommagic-plan-unfittable">
+          <RichText text={unfittable} />
+        </div>
       ) : null}
     </div>
   );

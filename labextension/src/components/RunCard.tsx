@@ -10,6 +10,7 @@ import { FindingView } from './FindingView';
 import { GivenBack } from './GivenBack';
 import { PlanView } from './PlanView';
 import { RankTable } from './RankTable';
+import { RichText } from './RichText';
 import { Sparkline } from './Sparkline';
 
 /** How many findings of an out-of-memory run are shown (they come ranked, best first). */
@@ -30,8 +31,12 @@ export interface IRunCardProps {
   onRetry: () => void;
   /** Write a finding's remedy into the cell and run it. */
   onApply: (remedy: RemedyJson) => void;
-  /** Write `body` into the cell and run it. */
-  onWrite: (body: string) => void;
+  /** Have the kernel run plan entry `index` and write it into the notebook once it fits. */
+  onApplyEntry: (index: number, title: string) => void;
+  /** Write this run (it fits) into the notebook. */
+  onWriteFitted: () => void;
+  /** Whether the notebook already holds what this run ran (nothing left to write). */
+  written: boolean;
   /** Have the kernel run the cell with plan entry `index` stacked on the fixes in force. */
   onRunPlanEntry: (index: number, title: string) => void;
   /** Have the kernel run the cell without `applied[index]`. */
@@ -53,7 +58,9 @@ export function RunCard({
   onReveal,
   onRetry,
   onApply,
-  onWrite,
+  onApplyEntry,
+  onWriteFitted,
+  written,
   onRunPlanEntry,
   onRemoveFix
 }: IRunCardProps): JSX.Element {
@@ -137,7 +144,9 @@ export function RunCard({
       ) : null}
       {live?.ranks ? <RankTable ranks={live.ranks} /> : null}
       {summary.outcome !== 'ok' && summary.headline ? (
-        <div className="oommagic-run-headline">{summary.headline}</div>
+        <div className="oommagic-run-headline">
+          <RichText text={summary.headline} />
+        </div>
       ) : null}
       {live ? (
         <AppliedFixes
@@ -158,7 +167,7 @@ export function RunCard({
           retries={retries}
           busy={waiting}
           onRun={onRunPlanEntry}
-          onWrite={cellPresent ? onWrite : null}
+          onApply={cellPresent ? onApplyEntry : null}
         />
       ) : null}
       {live ? <GivenBack run={live} /> : null}
@@ -177,14 +186,15 @@ export function RunCard({
       {fits &&
       live &&
       cellPresent &&
+      !written &&
       live.source !== (live.original ?? live.source) ? (
         <div className="oommagic-actions">
           <button
             type="button"
             className="jp-Button jp-mod-styled jp-mod-accept oommagic-write-fitted"
-            title="Write the source that fitted into the cell (undo with Ctrl+Z) and run it."
+            title="Write the code that fitted into the notebook (undo with Ctrl+Z in the cell); the kernel already runs it."
             disabled={waiting}
-            onClick={() => onWrite(live.source)}
+            onClick={onWriteFitted}
           >
             Apply to cell
           </button>

@@ -18,7 +18,10 @@ export interface IRunListProps {
   onReveal: (entry: RunEntry) => void;
   onRetry: (entry: RunEntry) => void;
   onApply: (entry: RunEntry, remedy: RemedyJson) => void;
-  onWrite: (entry: RunEntry, body: string) => void;
+  onApplyEntry: (entry: RunEntry, index: number, title: string) => void;
+  onWriteFitted: (entry: RunEntry) => void;
+  /** Ids of the fitted runs the notebook already holds. */
+  written: ReadonlySet<string>;
   onRunPlanEntry: (entry: RunEntry, index: number, title: string) => void;
   onRemoveFix: (entry: RunEntry, index: number, title: string) => void;
 }
@@ -59,7 +62,11 @@ export function RunList(props: IRunListProps): JSX.Element {
               onReveal={() => props.onReveal(entry)}
               onRetry={() => props.onRetry(entry)}
               onApply={remedy => props.onApply(entry, remedy)}
-              onWrite={body => props.onWrite(entry, body)}
+              onApplyEntry={(index, title) =>
+                props.onApplyEntry(entry, index, title)
+              }
+              onWriteFitted={() => props.onWriteFitted(entry)}
+              written={props.written.has(entry.run.id)}
               onRunPlanEntry={(index, title) =>
                 props.onRunPlanEntry(entry, index, title)
               }
