@@ -95,10 +95,11 @@ export interface OOMReportJson {
   emulated: boolean;
 }
 
-export type Verdict = 'fits' | 'does not fit' | 'not measured';
+export type Verdict = 'fits' | 'likely fits' | 'does not fit' | 'not measured';
 
 export const VERDICTS: readonly Verdict[] = [
   'fits',
+  'likely fits',
   'does not fit',
   'not measured'
 ];

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
-from ..diagnosis.plan import FITS, PlanEntry
+from ..diagnosis.plan import FITS, LIKELY_FITS, PlanEntry
 from ..sizes import format_bytes
 from .categories import bar_html, run_label, side_by_side_html, top_html
 from .plot import timeline_png
@@ -31,7 +31,7 @@ _STATUS = {
     "error": ("error", "#c0392b"),
     "interrupted": ("interrupted", "#888"),
 }
-_VERDICT_COLOUR = {FITS: "#2e7d32", "does not fit": "#c0392b"}
+_VERDICT_COLOUR = {FITS: "#2e7d32", LIKELY_FITS: "#8a6d00", "does not fit": "#c0392b"}
 
 
 # Buttons are as wide as their short label (never cut); the tooltip carries the whole title.
