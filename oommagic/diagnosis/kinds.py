@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from .findings import EvalLoader, Remedy
 from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_source, taken_then
 from .rewrite import (
+    checkpoint_calls_source,
     default_dtype_source,
     factored_optimizer_source,
     keep_last_logits_source,
@@ -95,6 +96,8 @@ def _keyword(source: str, r: Remedy, helpers: Helpers) -> str:
 
 
 def _checkpointing(source: str, r: Remedy, helpers: Helpers) -> str:
+    if r.params.get("calls"):
+        return checkpoint_calls_source(source, r.params["calls"]) or source
     for func in ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig"):
         source = set_call_keyword(source, func, "gradient_checkpointing", True) or source
     return source

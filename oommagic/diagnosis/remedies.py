@@ -17,6 +17,7 @@ from .rewrite import (
     accumulate_loops,
     accumulates,
     changed_lines,
+    checkpoint_calls_source,
     default_dtype_source,
     factored_optimizer_source,
     fresh_name,
@@ -40,6 +41,7 @@ from .rewrite import (
 from .source import (
     BatchGuess,
     EvalBatch,
+    called_names,
     calls_only,
     calls_with_keyword,
     checkpoints,
@@ -517,6 +519,12 @@ def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
         new_source = new_source or insert_after_assignment(
             ctx.source, name, f"{name}.gradient_checkpointing_enable()"
         )
+    # Plain PyTorch modules the cell calls itself: each call made through torch's checkpoint.
+    plain = [m.name for m in todo if not m.is_hf and m.name.isidentifier()] if not names else []
+    calls = sorted(n for n in plain if n in called_names(ctx.source))
+    if new_source is None and calls:
+        new_source = checkpoint_calls_source(ctx.source, calls)
+    calls = calls if new_source is not None else []
     able = [m.name for m in todo if m.supports_checkpointing]
     if new_source:
         code = changed_lines(ctx.source, new_source)
@@ -536,7 +544,7 @@ def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
         saving,
         code=code,
         automatic=bool(names) or new_source is not None,
-        params={"models": names},
+        params={"models": names, "calls": calls},
         new_source=new_source,
     )
 

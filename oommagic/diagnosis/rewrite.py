@@ -930,3 +930,33 @@ def factored_optimizer_source(source: str) -> str | None:
     if not edits:
         return None
     return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))
+
+
+def checkpoint_calls_source(source: str, names: list[str] | tuple[str, ...]) -> str | None:
+    """The cell with each direct call of the modules ``names`` (``tower(x)``) made through
+    ``torch.utils.checkpoint.checkpoint``: the module's inner activations are not kept for the backward
+    pass but computed again there. Calls where gradients are off stay as they are. None when the cell
+    makes no such call."""
+    from .source import grad_off_lines
+
+    tree = tree_of(source)
+    if tree is None or not names:
+        return None
+    src = SourceText(source)
+    off = grad_off_lines(source)
+    edits = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names):
+            continue
+        if node.lineno in off or any(isinstance(a, ast.Starred) for a in node.args):
+            continue
+        if any(k.arg is None for k in node.keywords):
+            continue
+        parts = [node.func.id, *(src.segment(a) for a in node.args)]
+        parts += [f"{k.arg}={src.segment(k.value)}" for k in node.keywords]
+        edits.append(
+            (*src.span(node), f"torch.utils.checkpoint.checkpoint({', '.join(parts)}, use_reentrant=False)")
+        )
+    if not edits:
+        return None
+    return _checked("import torch.utils.checkpoint\n" + _apply(source, edits))

@@ -624,3 +624,15 @@ def test_an_adam_family_optimizer_becomes_torchs_adafactor_with_what_both_mean_a
         "import torch\nopt = torch.optim.Adafactor(model.parameters(), lr=2e-5, weight_decay=0.01)\n"
     )
     assert factored_optimizer_source("opt = torch.optim.SGD(model.parameters(), lr=0.1)\n") is None
+
+
+def test_calls_of_plain_modules_go_through_torchs_checkpoint_where_gradients_are_on():
+    from oommagic.diagnosis.rewrite import checkpoint_calls_source
+
+    cell = "z = tower(x.to(device), mask=m)\nwith torch.no_grad():\n    e = tower(y)\n"
+    new = checkpoint_calls_source(cell, ["tower"])
+    assert new == (
+        "import torch.utils.checkpoint\n"
+        "z = torch.utils.checkpoint.checkpoint(tower, x.to(device), mask=m, use_reentrant=False)\n"
+        "with torch.no_grad():\n    e = tower(y)\n"
+    )

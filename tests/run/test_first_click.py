@@ -882,3 +882,42 @@ def test_a_full_fine_tune_whose_adam_moments_pass_the_budget_gets_a_factored_opt
     assert fitted.outcome == "ok", fitted.headline()
     assert "torch.optim.Adafactor(big.parameters(), lr=1e-3, weight_decay=0.01)" in fitted.source
     assert len(steps) == 3, "the accepted run takes the cell's three optimizer steps"
+
+
+TOWERS_SETUP = """
+torch.manual_seed(0)
+def tower():
+    return torch.nn.Sequential(*[m for _ in range(6) for m in (torch.nn.Linear(256, 256), torch.nn.GELU())])
+img_tower, txt_tower = tower(), tower()
+tower_opt = torch.optim.SGD([*img_tower.parameters(), *txt_tower.parameters()], lr=0.01)
+img_feats, txt_feats = torch.randn(2048, 256), torch.randn(2048, 256)
+import torch.nn.functional as F
+"""
+# A contrastive loss: every sample's negatives are the batch's others, so a smaller batch (even with
+# accumulation) changes the loss; recomputing the towers' activations does not.
+CONTRASTIVE = """\
+B = 1024
+for step in range(2):
+    idx = torch.randperm(2048)[:B]
+    zi, zt = img_tower(img_feats[idx]), txt_tower(txt_feats[idx])
+    logits = zi @ zt.T
+    target = torch.arange(B)
+    loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+    tower_opt.zero_grad()
+    loss.backward()
+    tower_opt.step()
+"""
+
+
+def test_plain_modules_the_cell_calls_get_checkpointed_calls_measured(shell, run_cell):
+    shell.run_cell(TOWERS_SETUP)
+    run_cell(f"%%gpumem --limit 40MiB --quiet --no-raise --plan-budget 60\n{CONTRASTIVE}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    entry = next(e for e in failed.plan.entries if e.kind == "checkpointing")
+    assert entry.verdict == "fits", [e.line() for e in failed.plan.entries]
+    assert "torch.utils.checkpoint.checkpoint(img_tower, img_feats[idx], use_reentrant=False)" in (
+        entry.fixes[0].new_source
+    )
+    fitted = session_for(shell).retry(failed, entry.fixes)
+    assert fitted.outcome == "ok", fitted.headline()
