@@ -44,7 +44,10 @@ def _rows(args, kwargs) -> int:
 
 
 def _count_samples(module, args, kwargs) -> None:
-    if WORK["on"] and module.training and torch.is_grad_enabled():
+    # A forward run again inside the backward pass (activation checkpointing's recomputation) sees the
+    # same samples a second time: it is not more work.
+    recomputing = torch._C._current_graph_task_id() != -1
+    if WORK["on"] and module.training and torch.is_grad_enabled() and not recomputing:
         WORK["samples"] += _rows(args, kwargs)
 
 

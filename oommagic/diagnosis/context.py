@@ -614,8 +614,34 @@ def _holdings(
 
 def _used_by_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:
     """Globals read by the notebook's own functions and classes that the cell uses, ``depth`` calls
-    deep: ``train()`` defined in an earlier cell reads ``model`` although the cell never names it."""
-    return {n for n in _names_in_calls(source, namespace, depth) if n in namespace}
+    deep: ``train()`` defined in an earlier cell reads ``model`` although the cell never names it; and
+    globals held by what the cell reads (``cmodel = torch.compile(model)`` holds ``model``, a trainer its
+    model)."""
+    used = {n for n in _names_in_calls(source, namespace, depth) if n in namespace}
+    held = _held_by({n for n in cell.names_read(source) if n in namespace} | used, namespace)
+    return used | {n for n, v in namespace.items() if id(v) in held}
+
+
+def _held_by(names: set[str], namespace: Mapping, depth: int = 2) -> set[int]:
+    """The ids of the objects that the objects bound to ``names`` hold in their instance dicts (a
+    module's submodules included), ``depth`` levels down. Instance dicts only: no property runs."""
+    found: set[int] = set()
+    frontier = [namespace[n] for n in names]
+    for _ in range(depth):
+        nxt = []
+        for obj in frontier:
+            attrs = instance_dict(obj)
+            values = list(attrs.values())
+            if type(attrs.get("_modules")) is dict:
+                values += list(attrs["_modules"].values())
+            for value in values:
+                if id(value) not in found and not isinstance(
+                    value, (int, float, str, bytes, bool, type(None))
+                ):
+                    found.add(id(value))
+                    nxt.append(value)
+        frontier = nxt
+    return found
 
 
 def _names_in_calls(source: str, namespace: dict, depth: int = 3) -> set[str]:

@@ -312,3 +312,24 @@ def test_an_optimizer_behind_lightnings_wrapper_is_read_through_it():
     lit = LightningOptimizer(torch.optim.Adam(params, foreach=True))
     infos = optimizer_infos({"lit": lit}, Reader(torch.device("cpu")))
     assert [(o.name, o.kind, o.foreach) for o in infos] == [("lit", "Adam", True)]
+
+
+def test_a_model_held_by_what_the_cell_reads_is_in_use_not_a_leftover():
+    import torch
+
+    from oommagic.diagnosis.context import _used_by_calls
+
+    class Wrapped(torch.nn.Module):  # as torch.compile's OptimizedModule holds the model it compiled
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    class Trainer:
+        def __init__(self, model):
+            self.model = model
+
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    ns = {"model": model, "cmodel": Wrapped(model), "trainer": Trainer(other), "other": other, "x": 1}
+    assert _used_by_calls("y = cmodel(x)", ns) >= {"model"}
+    assert "other" not in _used_by_calls("y = cmodel(x)", ns)
+    assert "other" in _used_by_calls("trainer.train()", ns)
