@@ -124,11 +124,23 @@ class _Measure:
         self.deadline = min(most, max(self.deadline, time.perf_counter() + seconds))
         return True
 
-    def converging(self, trials: list[Trial]) -> None:
-        """A search that found a batch that fits gets the time for its verifying trial (about two steps
-        of its largest probe, and a little) where the budget ran out before it."""
-        if self.left() <= 0 and any(t.fits for t in trials):
-            self.extend(4 * max(t.wall_s for t in trials) + 1.0)
+    def micro(self, old: int, most: int) -> int:
+        """The micro-batch the fix would write where at most ``most`` fits (a divisor of the batch)."""
+        from ..diagnosis.rules import split_batch
+
+        return split_batch(old, most, self.training)[0]
+
+    def converging(self, trials: list[Trial], effective: int) -> None:
+        """A search that found a batch that fits gets the time for its verifying trial where the budget
+        left is short of it: two optimizer steps of the ``effective`` batch at the largest fitting
+        probe's pace (a probe is one step and a backward pass), up to twice the budget in all."""
+        fitting = [t for t in trials if t.fits]
+        if not fitting:
+            return
+        top = max(fitting, key=lambda t: t.batch)
+        need = 2.5 * top.wall_s * max(1.0, effective / top.batch) + 1.0
+        if self.left() < need:
+            self.extend(need)
 
     def all(self) -> list[PlanEntry]:
         found: list[PlanEntry] = []
@@ -360,6 +372,9 @@ class _Measure:
             nxt = next_batch(trials, self.budget, margin=self.session.search_margin)
             if nxt is None or nxt >= guess.value:
                 break
+            fitting = max((t.batch for t in trials if t.fits), default=None)
+            if fitting is not None and self.micro(guess.value, nxt) <= self.micro(guess.value, fitting):
+                break  # the micro-batch written would be the same: a closer probe changes nothing
             trials.append(probe(nxt))
         best = max((t.batch for t in trials if t.fits), default=None)
         if best is None:
@@ -404,7 +419,7 @@ class _Measure:
         if remedy.params.get("accumulate", 1) > 1 and self.training and not self.keeps:
             # The rewritten cell itself runs through its second optimizer step with its accumulation: the
             # steady state the probes did not hold, and a rewrite that breaks the cell, show here.
-            self.converging(trials)
+            self.converging(trials, guess.value)
             entry = self.accumulated(base, remedy)
             while entry.verdict == DOES_NOT_FIT and not entry.note and new > 1 and self.left() > 0:
                 # The gradients kept between micro-batches took more room than the probes left: half the
@@ -419,7 +434,7 @@ class _Measure:
             ran = "through its second optimizer step" if self.training else "2 micro-batches"
             return replace(entry, method=f"{how}; the rewritten cell ran {ran}")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
-        self.converging(trials)
+        self.converging(trials, new)
         entry = self.entry((*base, remedy), steps_scale=scale)
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
 
