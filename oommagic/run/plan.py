@@ -70,9 +70,7 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         with frozen_heap():
             entries = measure.all()
     except SnapshotTooLarge as err:
-        return replace(
-            unmeasured_plan(run, "the state snapshot does not fit in host memory"), summary=str(err)
-        )
+        return replace(unmeasured_plan(run, err.why), summary=str(err))
     entries = with_time_ratios(entries, _step_time(run.recording.timeline.steps))
     plan = FixPlan(
         entries=ordered(entries),
@@ -81,7 +79,7 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         trials=measure.trials,
         snapshot_bytes=measure.snapshot_bytes,
     )
-    return replace(plan, summary=_summary(plan, run), unfittable=_unfittable(plan, run))
+    return replace(plan, summary=_summary(plan, run, session.restored), unfittable=_unfittable(plan, run))
 
 
 class _Measure:
@@ -397,7 +395,7 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
     return steps[-1] - steps[-2] if len(steps) >= 2 else None
 
 
-def _summary(plan: FixPlan, run: CellRun) -> str:
+def _summary(plan: FixPlan, run: CellRun, restored: Any = None) -> str:
     best = plan.recommended
     head = (
         f"{best.title} fits: {best.line().removeprefix(FITS + ' — ')}."
@@ -407,8 +405,7 @@ def _summary(plan: FixPlan, run: CellRun) -> str:
     return (
         f"{head} {plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
         f"{plan.budget_s:.0f} s budget; "
-        "the model, optimizer, RNG and namespace were restored after each"
-        + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")
+        + (restored.sentence() if restored is not None else "nothing was restored.")
     )
 
 
