@@ -119,8 +119,9 @@ class UserState:
                 raise SnapshotTooLarge(
                     f"keeping what the cell can change for the trials needs {format_bytes(nbytes)} of host "
                     f"memory (largest: {', '.join(p for _, p, _ in largest)}) and "
-                    f"{format_bytes(available)} is available; trials would change it for good. Run with --no-snapshot to try anyway (the "
-                    "trials then leave their changes), or --plan-budget 0 to skip trials."
+                    f"{format_bytes(available)} is available; trials would change it for good. Run with "
+                    "--no-snapshot to try anyway (the trials then leave their changes), or --plan-budget 0 "
+                    "to skip trials."
                 )
         state = cls(namespace=dict(namespace), nbytes=nbytes, tracked=set(walk.seen))
         not_kept = list(walk.not_kept)
