@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from ..sizes import format_bytes
 
 # Things named in the sentence before "and N more".
-_SHOWN = 10
+_SHOWN = 14
 
 
 @dataclass(frozen=True)
