@@ -47,8 +47,8 @@ class CellWritesFiles(SnapshotTooLarge):
 class TrialFiles:
     """The files one trial wrote, each with a copy of what it held before (None: it did not exist)."""
 
-    def __init__(self, bound: int = FILE_BOUND) -> None:
-        self.bound = bound
+    def __init__(self, bound: int | None = None) -> None:
+        self.bound = FILE_BOUND if bound is None else bound
         self.kept: dict[str, str | None] = {}
         self.made_dirs: list[str] = []
         self.refused: str | None = None
@@ -166,10 +166,18 @@ def _open(files: TrialFiles, args: tuple) -> None:
         files.keep(path)
 
 
+def _rename(files: TrialFiles, source: Any, target: Any) -> None:
+    with contextlib.suppress(TypeError):
+        if os.path.isdir(os.fspath(source)):
+            files.refuse(source, "moves the directory")
+    files.keep(source)
+    files.keep(target)
+
+
 _EVENTS = {
     "open": _open,
     "os.remove": lambda files, args: files.keep(args[0]),
-    "os.rename": lambda files, args: (files.keep(args[0]), files.keep(args[1])),
+    "os.rename": lambda files, args: _rename(files, *args[:2]),
     "os.truncate": lambda files, args: files.keep(args[0]),
     "os.link": lambda files, args: files.keep(args[1]),
     "os.symlink": lambda files, args: files.keep(args[1]),

@@ -163,16 +163,44 @@ def test_a_cell_without_a_model_is_not_said_to_have_one(shell, run_cell):
         shell.user_ns.pop(name, None)
     shell.run_cell("rows = []")
     run_cell(
-        "%%gpumem --limit 3MiB --quiet --no-raise --plan-budget 3\n"
+        "%%gpumem --limit 6MiB --quiet --no-raise --plan-budget 3\n"
         "batch_size = 256\n"
-        "for _ in range(2):\n"
-        "    rows.append(torch.nn.functional.relu(torch.ones(batch_size, 16, 64) * 2).sum().item())\n"
+        "with torch.no_grad():\n"
+        "    for _ in range(2):\n"
+        "        rows.append(torch.nn.functional.relu(torch.ones(batch_size, 16, 256) * 2).sum().item())\n"
     )
     run = oommagic.history()[-1]
-    if run.plan is not None and run.plan.trials:
-        assert "model" not in run.plan.summary and "optimizer" not in run.plan.summary, run.plan.summary
-        assert "1 list" in run.plan.summary, run.plan.summary
+    assert run.outcome == "oom" and run.plan.trials >= 1, run.plan.summary
+    assert "model" not in run.plan.summary and "optimizer" not in run.plan.summary, run.plan.summary
+    assert "restored after each trial: 1 list, the global RNGs." in run.plan.summary, run.plan.summary
     assert shell.user_ns["rows"] == []
 
 
 _ = collections  # the setup's own imports run in the shell
+
+
+def test_a_file_too_large_to_keep_aside_stops_the_trial_and_the_plan_says_so(
+    shell, run_cell, tmp_path, monkeypatch
+):
+    import oommagic.run.trial_files as trial_files
+
+    # The bound is a size of the machine's disk: a small one here, for a small file.
+    monkeypatch.setattr(trial_files, "FILE_BOUND", 1024)
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * 4096)
+    shell.run_cell(SETUP)
+    shell.user_ns.update(BIG=str(big))
+    run_cell(
+        "%%gpumem --limit 5MiB --quiet --no-raise --plan-budget 3\n"
+        "batch_size = 256\n"
+        "for step in range(2):\n"
+        "    model(torch.ones(batch_size, 16, 32)).square().mean().backward()\n"
+        "    opt.step()\n"
+        "    with open(BIG, 'wb') as f:\n"
+        "        f.write(b'trial')\n"
+    )
+    run = oommagic.history()[-1]
+    assert run.outcome == "oom"
+    assert run.plan.summary.startswith(f"Not measured: the cell writes {big} (4.00 KiB)"), run.plan.summary
+    assert all(e.verdict == "not measured" for e in run.plan.entries)
+    assert big.read_bytes() == b"x" * 4096
