@@ -404,8 +404,7 @@ def _summary(plan: FixPlan, run: CellRun, restored: Any = None) -> str:
     )
     return (
         f"{head} {plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
-        f"{plan.budget_s:.0f} s budget; "
-        + (restored.sentence() if restored is not None else "nothing was restored.")
+        f"{plan.budget_s:.0f} s budget" + (f"; {restored.sentence()}" if restored is not None else ".")
     )
 
 

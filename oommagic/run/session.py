@@ -155,6 +155,8 @@ class Session:
                     self._kept if self._kept is not None else UserState.take(ns, spec.options.device or "")
                 )
             self.last_snapshot_bytes = saved.nbytes if saved is not None else 0
+            if saved is not None:
+                files.hold_open(saved.open_files)
             try:
                 with hold.released(), files.watching(), capture_output():
                     attempt = execute(self.shell, spec, bounds=bounds, scan=False)
@@ -167,8 +169,9 @@ class Session:
                 collect(spec.options.device)
                 written = files.restore()
                 differs = (saved.verify(ns) if saved is not None else ()) + files.differs()
-                # Within one plan or search nothing runs between trials: a clean restore is the snapshot.
-                self._kept = saved if self._keeping and not differs else None
+                # Within one plan or search nothing runs between trials: the next trial goes back to the
+                # same snapshot (where a check found something different, it is said, and no baseline moves).
+                self._kept = saved if self._keeping else None
                 record = saved.record() if saved is not None else Restored(snapshot=False)
                 record = replace(record, files=written, differs=differs)
                 keep_on = self._keeping and self.restored is not None

@@ -12,57 +12,21 @@ the user holds stay valid, then checks that nothing tracked differs (``UserState
 
 from __future__ import annotations
 
-import collections
-import io
 import random
 import sys
-import types
-import weakref
-from collections.abc import Mapping, MutableMapping, MutableSequence, MutableSet, Sequence, Set
+from collections.abc import Mapping, MutableSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..diagnosis.context import IPYTHON_NAME, instance_dict
+from ..diagnosis.context import instance_dict
 from ..sizes import format_bytes
+from .reach import Reach
 from .restored import Restored
 
 # Leave this share of the host's available memory free when deciding whether a snapshot fits.
 HOST_RESERVE = 0.2
-# The walk's bound: past this many objects it stops and says what it did not reach.
-MAX_OBJECTS = 200_000
-# A container this long is kept whole but not walked into (its items are counted against the bound).
-MAX_ITEMS = 100_000
-# Objects of these packages are the tool's and the kernel's own, not the user's work.
-_NOT_USER = (
-    "IPython",
-    "ipykernel",
-    "ipywidgets",
-    "traitlets",
-    "zmq",
-    "tornado",
-    "asyncio",
-    "oommagic",
-    "comm",
-)
-_LEAVES = (
-    types.ModuleType,
-    type,
-    types.FunctionType,
-    types.BuiltinFunctionType,
-    types.MethodType,
-    types.CodeType,
-    types.FrameType,
-    weakref.ref,
-    io.IOBase,
-    str,
-    bytes,
-    int,
-    float,
-    complex,
-    bool,
-    range,
-    type(None),
-)
+# A tensor on an accelerator whose version counter did not move is compared with its copy this much at a time.
+COMPARE_BYTES = 64 * 2**20
 
 
 class SnapshotTooLarge(RuntimeError):
@@ -101,6 +65,7 @@ class UserState:
     generators: list = field(default_factory=list)
     rng: dict = field(default_factory=dict)
     tracked: set = field(default_factory=set)
+    open_files: list = field(default_factory=list)
     kept: tuple = ()
     not_kept: tuple = ()
     nbytes: int = 0
@@ -109,7 +74,7 @@ class UserState:
     def take(cls, namespace: Mapping, device: str = "", check_host: bool = True) -> UserState:
         """Snapshot ``namespace`` and everything it reaches. Raises ``SnapshotTooLarge`` (before copying
         anything) when the copies would not fit in host memory."""
-        walk = _Walk(namespace)
+        walk = Reach(namespace)
         nbytes = sum(t.numel() * t.element_size() for t, _, _ in walk.tensors)
         nbytes += sum(a.nbytes for a, _, _ in walk.arrays)
         if check_host:
@@ -142,6 +107,7 @@ class UserState:
                 state.generators.append((g, put, get()))
             except Exception:
                 not_kept.append((path, "its state cannot be read"))
+        state.open_files = [f for f, _ in walk.files]
         state.rng = _rng_state()
         state.kept, state.not_kept = walk.names(), tuple(not_kept)
         return state
@@ -196,7 +162,7 @@ class UserState:
         differs += [path for o, attrs, path in self.objects if not _same_items(instance_dict(o), attrs)]
         if set(namespace) != set(self.namespace):
             differs.append("the namespace's names")
-        walk = _Walk(namespace, stop_at=self.tracked)
+        walk = Reach(namespace, stop_at=self.tracked)
         differs += [f"{path} (new after the trial)" for path in walk.new[:3]]
         return tuple(dict.fromkeys(differs))
 
@@ -214,128 +180,6 @@ def host_available() -> int | None:
     except OSError:
         return None
     return None
-
-
-class _Walk:
-    """Everything ``namespace`` reaches, breadth first (so each object is named by its shortest path),
-    sorted by what keeping it takes, each with its path and its owner: the name bound in the namespace
-    (a model, an optimizer, an object) it belongs to, None for what a container holds. With ``stop_at``,
-    only the objects outside that set of ids: what a restore missed."""
-
-    def __init__(self, namespace: Mapping, stop_at: set | None = None) -> None:
-        import torch
-
-        numpy = sys.modules.get("numpy")
-        self.tensors: list = []
-        self.arrays: list = []
-        self.containers: list = []
-        self.objects: list = []
-        self.generators: list = []
-        self.owners: list = []
-        self.not_kept: list = []
-        self.new: list = []
-        self.seen: dict[int, Any] = {}
-        self._owner: str | None = None
-        queue = collections.deque(
-            (value, name, None) for name, value in namespace.items() if not IPYTHON_NAME.fullmatch(name)
-        )
-        generator_types = _generator_types()
-        while queue:
-            obj, path, owner = queue.popleft()
-            if isinstance(obj, _LEAVES) or (type(obj).__module__ or "").startswith(_NOT_USER):
-                continue
-            key = id(obj)
-            if key in self.seen:
-                continue
-            if len(self.seen) >= MAX_OBJECTS:
-                self.not_kept.append((path, f"past the first {MAX_OBJECTS:,} objects the walk keeps"))
-                break
-            self.seen[key] = obj
-            if stop_at is not None and key not in stop_at:
-                self.new.append(path)  # reached now, never kept: walked through, not into
-                continue
-            if isinstance(obj, torch.Tensor):
-                self.tensors.append((obj, path, owner))
-                grad = obj.grad if obj.is_leaf else None
-                if grad is not None:
-                    queue.append((grad, f"{path}.grad", owner or path))
-                continue
-            if numpy is not None and isinstance(obj, numpy.ndarray):
-                self.arrays.append((obj, path, owner))
-                continue
-            if isinstance(obj, generator_types):
-                self.generators.append((obj, path, owner))
-                continue
-            self._owner = owner
-            items = self._items(obj, path)
-            if items is None:
-                continue
-            if len(items) > MAX_ITEMS:
-                self.not_kept.append((path, f"its {len(items):,} items were kept but not walked into"))
-                continue
-            queue.extend((value, where, self._owner) for value, where in items)
-
-    def _items(self, obj: Any, path: str) -> list | None:
-        """The objects ``obj`` holds with their paths, after noting what keeping ``obj`` takes."""
-        owner = self._owner
-        if isinstance(obj, Mapping):
-            if isinstance(obj, (dict, MutableMapping)):
-                self.containers.append((obj, path, owner))
-            # A module's parameters, buffers and submodules are named as its attributes: model.0.weight.
-            dotted = path.endswith(("._parameters", "._buffers", "._modules"))
-            base = path.rsplit(".", 1)[0] if dotted else path
-            out = []
-            for k, v in list(obj.items()):
-                out.append((v, f"{base}.{k}" if dotted else f"{path}[{k!r}]"))
-                out.append((k, f"{path} key"))
-            return out
-        if isinstance(obj, (Sequence, Set, collections.deque)) and not isinstance(obj, (str, bytes)):
-            if isinstance(obj, (list, collections.deque, bytearray, MutableSequence, set, MutableSet)):
-                self.containers.append((obj, path, owner))
-            return [(v, f"{path}[{i}]") for i, v in enumerate(list(obj))]
-        attrs = instance_dict(obj)
-        try:
-            has_dict = object.__getattribute__(obj, "__dict__") is attrs
-        except Exception:
-            has_dict = False
-        if not has_dict:
-            return None
-        if owner is None:
-            # An object (a model, an optimizer, a trainer) owns what it holds: the summary names it.
-            self.owners.append((obj, path))
-            self._owner = path
-        self.objects.append((obj, path, self._owner))
-        return [(v, f"{path}.{k}") for k, v in list(attrs.items())]
-
-    def names(self) -> tuple[str, ...]:
-        """What the walk found, the way a person names it: the objects bound in the namespace by name
-        (with their class where it is an optimizer or a scheduler), the rest counted by kind ("model",
-        "opt (AdamW)", "2 tensors", "1 deque", "3 random generators")."""
-        import torch
-
-        out = []
-        for obj, path in self.owners:
-            plain = isinstance(obj, torch.nn.Module) or type(obj).__module__ == "__main__"
-            out.append(path if plain else f"{path} ({type(obj).__name__})")
-        counts: collections.Counter = collections.Counter()
-        counts["tensor"] = sum(owner is None for _, _, owner in self.tensors)
-        counts["NumPy array"] = sum(owner is None for _, _, owner in self.arrays)
-        for c, _, owner in self.containers:
-            if owner is None:
-                counts[type(c).__name__] += 1
-        counts["random generator"] = len(self.generators)
-        out += [f"{n} {kind}{'s' if n != 1 else ''}" for kind, n in counts.items() if n]
-        return tuple(out)
-
-
-def _generator_types() -> tuple:
-    import torch
-
-    kinds: list = [torch.Generator, random.Random]
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        kinds += [numpy.random.Generator, numpy.random.RandomState, numpy.random.BitGenerator]
-    return tuple(kinds)
 
 
 def _generator_state(g: Any) -> tuple:
@@ -400,7 +244,6 @@ def _refill(container: Any, saved: tuple) -> None:
 def _restore_tensor(kept: _Tensor) -> None:
     """Values back where they differ: at once where the version counter or the storage moved, else
     after a comparison (a write through ``.data`` or NumPy does not move the counter)."""
-    import torch
 
     t, saved = kept.tensor, kept.saved
     if _ptr(t) != _ptr(kept.alias) or t.shape != kept.alias.shape or t.dtype != kept.alias.dtype:
@@ -408,7 +251,7 @@ def _restore_tensor(kept: _Tensor) -> None:
     changed = kept.version is None or _version(t) != kept.version
     if not changed and saved.numel():
         try:
-            changed = not torch.equal(t, saved if t.device.type == "cpu" else saved.to(t.device))
+            changed = not _equal(t, saved)
         except RuntimeError:
             changed = True
     if changed:
@@ -419,6 +262,22 @@ def _restore_tensor(kept: _Tensor) -> None:
             t.grad = kept.grad
         if t.requires_grad != kept.requires_grad:
             t.requires_grad_(kept.requires_grad)
+
+
+def _equal(t: Any, saved: Any) -> bool:
+    """Whether ``t`` holds ``saved``'s values; on an accelerator, compared a slice at a time so that the
+    comparison never holds more than ``COMPARE_BYTES`` of device memory (the card was just full)."""
+    import torch
+
+    if t.device.type == "cpu":
+        return torch.equal(t, saved)
+    if not (t.is_contiguous() and saved.is_contiguous()) or t.shape != saved.shape:
+        return False
+    flat, host = t.reshape(-1), saved.reshape(-1)
+    step = max(1, COMPARE_BYTES // max(t.element_size(), 1))
+    return all(
+        torch.equal(flat[i : i + step], host[i : i + step].to(t.device)) for i in range(0, flat.numel(), step)
+    )
 
 
 def _version(t: Any) -> int | None:

@@ -53,6 +53,8 @@ class TrialFiles:
         self.made_dirs: list[str] = []
         self.refused: str | None = None
         self.kept_bytes = 0
+        # Files the namespace holds open for writing: (file object, bytes before, position before).
+        self.held: dict[str, tuple[Any, int, int | None]] = {}
         self._scratch: str | None = None
         self._busy = threading.local()
 
@@ -74,9 +76,37 @@ class TrialFiles:
         if _watching is self:
             _watching = None
 
+    def hold_open(self, files: list) -> None:
+        """Before the trial: files the namespace holds open for writing (a log, a ``FileHandler``'s
+        stream) take writes no hook sees. One appended to (or at its end) is cut back to its length after
+        the trial; any other is copied aside like a file opened in the trial."""
+        for f in files:
+            try:
+                f.flush()
+                path = os.path.abspath(f.name)
+                size = os.path.getsize(path)
+                position = f.tell()
+            except (OSError, ValueError):
+                continue
+            if "a" not in getattr(f, "mode", "") and position != size:
+                try:
+                    self.keep(path)
+                except FileTooLarge as err:
+                    raise CellWritesFiles(f"Not measured: {err} (it is open for writing)") from None
+            self.held[path] = (f, size, position)
+
     def restore(self) -> tuple[str, ...]:
         """Put every file the trial wrote back as it was; returns their paths. Files the trial made are
         removed, then the directories it made (once empty)."""
+        touched = []
+        for path, (f, size, position) in self.held.items():
+            with contextlib.suppress(OSError, ValueError):
+                f.flush()  # the trial's writes still buffered land now, before the file is put back
+                if path not in self.kept and os.path.getsize(path) != size:
+                    os.truncate(path, size)
+                    touched.append(path)
+                if position is not None:
+                    f.seek(position)
         for path, copy in self.kept.items():
             with contextlib.suppress(OSError):
                 if copy is None:
@@ -90,7 +120,7 @@ class TrialFiles:
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
-        return tuple(self.kept)
+        return tuple(dict.fromkeys([*self.kept, *touched]))
 
     def differs(self) -> tuple[str, ...]:
         """The files not as they were before the trial (empty after ``restore``)."""

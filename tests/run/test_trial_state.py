@@ -60,6 +60,7 @@ for step in range(2):
     draws = (np_rng.random(), py_rng.random(), torch.rand(1, generator=torch_gen))
     with open(LOG, "a") as f:
         f.write(f"step {step}\\n")
+    held_log.write(f"step {step}\\n")
     torch.save(exp.parts.head.state_dict(), CKPT)
     reached(step)
 """
@@ -80,6 +81,7 @@ def state(ns: dict) -> dict:
         "random.Random": ns["py_rng"].getstate(),
         "torch.Generator": ns["torch_gen"].get_state(),
         "log file": open(ns["LOG"], "rb").read(),
+        "log file held open": (ns["held_log"].flush(), open(ns["HELD"], "rb").read(), ns["held_log"].tell()),
         "checkpoint": os.path.exists(ns["CKPT"]) and open(ns["CKPT"], "rb").read(),
         "model": [p.detach().clone() for p in ns["model"].parameters()],
     }
@@ -100,9 +102,12 @@ def planned(shell, tmp_path_factory):
     folder = tmp_path_factory.mktemp("files")
     log, ckpt = folder / "train.log", folder / "head.pt"
     log.write_text("started\n")
+    held = folder / "held.log"
+    held.write_text("opened before\n")
     reached: list[int] = []
     shell.run_cell(SETUP)
-    shell.user_ns.update(LOG=str(log), CKPT=str(ckpt), reached=reached.append)
+    shell.user_ns.update(LOG=str(log), CKPT=str(ckpt), HELD=str(held), reached=reached.append)
+    shell.user_ns["held_log"] = open(held, "a")  # noqa: SIM115 (the user's file, open across cells)
     before = state(shell.user_ns)
     np.random.seed(5)
     random.seed(5)
@@ -112,6 +117,7 @@ def planned(shell, tmp_path_factory):
     after = state(shell.user_ns)
     rngs_after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
     yield before, after, run, reached, (rngs, rngs_after)
+    shell.user_ns["held_log"].close()
     for name in set(shell.user_ns) - shell._oommagic_tests_started_with:
         shell.user_ns.pop(name, None)
 
@@ -136,6 +142,7 @@ def test_trials_ran_whole_steps(planned):
         "random.Random",
         "torch.Generator",
         "log file",
+        "log file held open",
         "checkpoint",
         "model",
     ],
@@ -154,7 +161,7 @@ def test_the_plan_names_what_it_restored(planned):
     summary = planned[2].plan.summary
     for named in ("model", "opt (Adam)", "raw_opt (Adam)", "exp", "1 defaultdict", "1 deque", "3 random gen"):
         assert named in summary, summary
-    assert "2 files (train.log, head.pt)" in summary or "2 files (head.pt, train.log)" in summary, summary
+    assert "3 files (" in summary and all(f in summary for f in ("train.log", "head.pt", "held.log")), summary
     assert "the model, optimizer, RNG and namespace" not in summary
 
 

@@ -8,6 +8,7 @@ trials and their restores: nothing of a trial stays."""
 from __future__ import annotations
 
 import collections
+import io
 import os
 import pathlib
 import random
@@ -77,6 +78,7 @@ things = st.one_of(
     st.tuples(st.just("generator"), st.sampled_from(sorted(GENERATORS))),
     st.tuples(st.just("log"), st.booleans()),
     st.tuples(st.just("checkpoint"), st.booleans()),
+    st.tuples(st.just("open_log"), st.just("")),
 )
 
 
@@ -133,6 +135,9 @@ def build(items: list, folder: str) -> tuple[str, str]:
                 with open(log, "w") as f:
                     f.write("before\n")
             changes.append(f"with open({log!r}, 'a') as f: f.write(f'step {{step}}\\n')")
+        elif kind == "open_log":
+            setup.append(f"{n} = open({os.path.join(folder, n + '.held')!r}, 'a')")
+            changes.append(f"{n}.write(f'step {{step}}\\n')")
         elif kind == "checkpoint":
             ckpt = os.path.join(folder, f"{n}.pt")
             if arg:
@@ -181,6 +186,11 @@ def fingerprint(value, depth: int = 0):
         return (type(value).__name__, [deeper(v) for v in value])
     if hasattr(value, "__dict__") and type(value).__module__ == "__main__":
         return ("object", deeper(vars(value)))
+    if isinstance(value, io.IOBase):
+        if value.closed:
+            return ("closed file", os.path.basename(str(getattr(value, "name", ""))))
+        value.flush()
+        return ("file", os.path.basename(value.name), value.tell())
     if isinstance(value, (int, float, str, bool, type(None))):
         return value
     return type(value).__name__
@@ -188,7 +198,7 @@ def fingerprint(value, depth: int = 0):
 
 def everything(shell, folder: str) -> dict:
     ns = shell.user_ns
-    kept = {
+    kept: dict = {
         k: fingerprint(v)
         for k, v in ns.items()
         if k[0] != "_" and k not in shell._oommagic_tests_started_with
@@ -207,18 +217,18 @@ def clear(shell) -> None:
 @given(items=st.lists(things, min_size=3, max_size=8))
 def test_trials_leave_everything_as_a_run_without_trials(shell, items):
     results = []
-    for budget in (0, 1):
+    for budget in (0, 3):
         with tempfile.TemporaryDirectory() as folder, frozen_heap():
             clear(shell)
             setup, changes = build(items, folder)
             assert shell.run_cell(setup).success, setup
             shell.run_cell(CELL.format(budget=budget, changes=changes))
             run = oommagic.history()[-1]
-            assert run.outcome == "oom", run.headline()
-            results.append((everything(shell, folder), run.plan.trials))
+            assert run.outcome == "oom", (budget, run.headline())
+            results.append((everything(shell, folder), run.plan.trials, run.plan.summary))
     clear(shell)
-    (without, none), (with_trials, trials) = results
-    assert none == 0 and trials >= 1
+    (without, none, _), (with_trials, trials, summary) = results
+    assert none == 0 and trials >= 1, summary
     assert without.keys() == with_trials.keys()
     assert [k for k in without if without[k] != with_trials[k]] == [], f"{setup}\n{changes}"
 
