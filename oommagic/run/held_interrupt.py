@@ -21,6 +21,9 @@ class HeldInterrupt:
     def __init__(self) -> None:
         self.holding = True
         self.pending = False
+        # Every interrupt seen, held or not: one raised inside code that swallows it (IPython's event
+        # callbacks catch KeyboardInterrupt) still ends the trial (``Session.trial``).
+        self.arrived = 0
         self._previous: Any = None
         self._installed = False
 
@@ -54,6 +57,7 @@ class HeldInterrupt:
             self.holding = True
 
     def _on_interrupt(self, signum: int, frame: FrameType | None) -> None:
+        self.arrived += 1
         if self.holding:
             self.pending = True
         else:

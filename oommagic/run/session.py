@@ -178,17 +178,16 @@ class Session:
                 self.restored = self.restored.merged(record) if keep_on else record
         if files.refused is not None:
             raise CellWritesFiles(
-                f"Not measured: the cell writes {files.refused}, more than a trial copies aside to put it "
-                "back; the trial stopped at that write and left the file as it was."
+                f"Not measured: {files.refused}; the trial stopped there and left the files as they were."
             )
-        if attempt.outcome == "interrupted":
+        if attempt.outcome == "interrupted" or hold.arrived:
             raise KeyboardInterrupt
         return attempt
 
     @contextlib.contextmanager
     def _trials(self) -> Iterator[None]:
-        """The trials of one plan or search: one snapshot serves them all while each restore checks
-        clean; ``restored`` gathers what they put back."""
+        """The trials of one plan or search: one snapshot serves them all (nothing runs between them);
+        ``restored`` gathers what they put back and what a check after a restore found different."""
         self._keeping, self._kept, self.restored = True, None, None
         try:
             yield

@@ -12,9 +12,10 @@ the user holds stay valid, then checks that nothing tracked differs (``UserState
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
-from collections.abc import Mapping, MutableSet
+from collections.abc import Iterator, Mapping, MutableSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,7 @@ class UserState:
     rng: dict = field(default_factory=dict)
     tracked: set = field(default_factory=set)
     open_files: list = field(default_factory=list)
+    failed: list = field(default_factory=list)  # what the last restore could not put back, and why
     kept: tuple = ()
     not_kept: tuple = ()
     nbytes: int = 0
@@ -114,32 +116,49 @@ class UserState:
 
     def restore(self, namespace: dict) -> None:
         """Put everything back as it was when the snapshot was taken: bindings, attributes, contents,
-        then the tensors whose values differ, the generators and the global RNGs."""
+        then the tensors whose values differ, the generators and the global RNGs. One thing that cannot
+        be put back does not stop the others: it is named by ``verify``."""
         import torch
 
+        self.failed = []
         for key in [k for k in namespace if k not in self.namespace]:
             del namespace[key]
         for key, value in self.namespace.items():
             if namespace.get(key, _MISSING) is not value:
                 namespace[key] = value
-        for obj, attrs, _ in self.objects:
-            current = instance_dict(obj)
-            if not _same_items(current, attrs):
-                current.clear()
-                current.update(attrs)
-        for container, saved, _ in self.containers:
-            if not _same_contents(container, saved):
-                _refill(container, saved)
+        for obj, attrs, path in self.objects:
+            with self._naming(path):
+                current = instance_dict(obj)
+                if not _same_items(current, attrs):
+                    current.clear()
+                    current.update(attrs)
+        for container, saved, path in self.containers:
+            with self._naming(path):
+                if not _same_contents(container, saved):
+                    _refill(container, saved)
         with torch.no_grad():
             for kept in self.tensors:
-                _restore_tensor(kept)
+                with self._naming(kept.path):
+                    _restore_tensor(kept)
         numpy = sys.modules.get("numpy")
-        for array, saved, _ in self.arrays:
-            if array.shape == saved.shape and not numpy.array_equal(array, saved, equal_nan=_has_nan(saved)):
-                numpy.copyto(array, saved)
-        for _, put, state in self.generators:
-            put(state)
-        _set_rng_state(self.rng)
+        for array, saved, path in self.arrays:
+            with self._naming(path):
+                if array.shape != saved.shape:
+                    raise ValueError("its shape changed")
+                if not numpy.array_equal(array, saved, equal_nan=_has_nan(saved)):
+                    numpy.copyto(array, saved)
+        for generator, put, state in self.generators:
+            with self._naming(type(generator).__name__):
+                put(state)
+        with self._naming("the global RNGs"):
+            _set_rng_state(self.rng)
+
+    @contextlib.contextmanager
+    def _naming(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:  # named in the summary; the rest is still put back
+            self.failed.append(f"{path} ({type(err).__name__}: {err})"[:120])
 
     def record(self) -> Restored:
         """What this snapshot keeps, for the plan's summary."""
@@ -153,7 +172,7 @@ class UserState:
         """What differs from the snapshot after ``restore`` (empty when nothing does): a tensor written
         again, a container or attributes not as kept, or an object the namespace now reaches that the
         snapshot never saw (state the restore could not reach)."""
-        differs: list[str] = []
+        differs: list[str] = list(self.failed)
         for kept in self.tensors:
             t = kept.tensor
             if _version(t) != kept.version or t.shape != kept.saved.shape or _ptr(t) != _ptr(kept.alias):

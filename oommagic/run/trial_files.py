@@ -150,11 +150,11 @@ class TrialFiles:
         real = os.path.realpath(path)
         size = os.path.getsize(real)
         if self.kept_bytes + size > self.bound:
-            self.refused = f"{path} ({format_bytes(size)})"
-            raise FileTooLarge(
+            self.refused = (
                 f"the cell writes {path} ({format_bytes(size)}), more than the {format_bytes(self.bound)} a "
                 "trial copies aside to put back"
             )
+            raise FileTooLarge(self.refused)
         if self._scratch is None:
             self._scratch = tempfile.mkdtemp(prefix="oommagic-trial-")
         copy = os.path.join(self._scratch, str(len(self.kept)))
@@ -171,8 +171,8 @@ class TrialFiles:
                 self.made_dirs.append(path)
 
     def refuse(self, raw: Any, what: str) -> None:
-        self.refused = f"{os.fsdecode(os.fspath(raw))} ({what})"
-        raise FileTooLarge(f"the cell {what} {os.fsdecode(os.fspath(raw))}: a trial cannot put that back")
+        self.refused = f"the cell {what} {os.fsdecode(os.fspath(raw))}, which a trial cannot put back"
+        raise FileTooLarge(self.refused)
 
 
 def _on_event(event: str, args: tuple) -> None:

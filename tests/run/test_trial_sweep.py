@@ -13,6 +13,7 @@ import os
 import pathlib
 import random
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -240,7 +241,7 @@ import torch
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 32))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-many = [torch.zeros(64) for _ in range(400)]  # enough tensors that a restore takes a while
+many = [torch.zeros(16) for _ in range(2000)]  # enough tensors that a restore takes a while
 seen = collections.defaultdict(list)
 rng = np.random.default_rng(0)
 """
@@ -273,8 +274,8 @@ def test_fifty_interrupts_inside_trials_and_restores_leave_nothing(shell, tmp_pa
     session = session_for(shell)
     before = everything(shell, str(tmp_path))
 
-    # One trial timed, to spread the interrupts over it: its whole length, and its restore (the real
-    # restore, timed from around it).
+    # Trials timed, to spread the interrupts over one: its whole length, and its restore (the real restore,
+    # timed from around it). As in a plan, each trial's collection walks only what it made.
     spans: list[tuple[float, float]] = []
     restore = UserState.restore
 
@@ -284,27 +285,34 @@ def test_fifty_interrupts_inside_trials_and_restores_leave_nothing(shell, tmp_pa
         spans.append((t0, time.perf_counter()))
 
     monkeypatch.setattr(UserState, "restore", timed)
-    t0 = time.perf_counter()
-    session.trial(spec, Bounds(steps=1, seconds=10))
-    whole = time.perf_counter() - t0
-    start, end = spans[-1][0] - t0, spans[-1][1] - t0
+    heap = frozen_heap()
+    heap.__enter__()
+    timings = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        session.trial(spec, Bounds(steps=1, seconds=10))
+        timings.append((time.perf_counter() - t0, spans[-1][0] - t0, spans[-1][1] - t0))
+    whole, start, end = min(timings)
     assert everything(shell, str(tmp_path)) == before
-    delays = [whole * i / 25 for i in range(25)] + [start + (end - start) * i / 25 for i in range(25)]
 
     main = threading.main_thread().ident
-    leaks, from_trial, honoured = [], 0, 0
-    heap = frozen_heap()  # as in a plan: each trial's collection walks only what it made
-    heap.__enter__()
-    for delay in delays:
+    leaks, from_trial, honoured, sent = [], 0, 0, []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # the interrupting thread wakes on time, not 5 ms into a restore
+    for i in range(50):
+        # 25 spread over a whole trial, then 25 over its restore, placed where the last restore fell.
+        delay = whole * i / 25 if i < 25 else start + (end - start) * (i - 25) / 25
         fired = threading.Event()
 
         def interrupt(delay=delay, fired=fired):
             time.sleep(delay)
+            sent.append(time.perf_counter())
             signal.pthread_kill(main, signal.SIGINT)
             fired.set()
 
         thread = threading.Thread(target=interrupt)
         try:
+            t0 = time.perf_counter()
             thread.start()
             try:
                 session.trial(spec, Bounds(steps=1, seconds=10))
@@ -318,11 +326,16 @@ def test_fifty_interrupts_inside_trials_and_restores_leave_nothing(shell, tmp_pa
         except KeyboardInterrupt:
             honoured += 1
         thread.join()
+        if i >= 25 and spans[-1][0] > t0:
+            start, end = spans[-1][0] - t0, spans[-1][1] - t0
         after = everything(shell, str(tmp_path))
         if after != before:
             leaks.append((delay, [k for k in before if before[k] != after.get(k)]))
+    sys.setswitchinterval(switch)
     heap.__exit__(None, None, None)
     clear(shell)
     assert leaks == [], leaks
-    assert honoured == len(delays), "every interrupt ends something: none is swallowed"
-    assert from_trial >= len(delays) // 2, from_trial
+    assert honoured == 50, "every interrupt ends something: none is swallowed"
+    # Most land inside a trial, some inside its restore (the rest, on a busy machine, just after it).
+    in_restore = sum(any(a <= t <= b for a, b in spans) for t in sent)
+    assert from_trial >= 10 and in_restore >= 3, (from_trial, in_restore, timings)
