@@ -107,7 +107,7 @@ def planned(shell, tmp_path_factory):
     reached: list[int] = []
     shell.run_cell(SETUP)
     shell.user_ns.update(LOG=str(log), CKPT=str(ckpt), HELD=str(held), reached=reached.append)
-    shell.user_ns["held_log"] = open(held, "a")  # noqa: SIM115 (the user's file, open across cells)
+    held_log = shell.user_ns["held_log"] = open(held, "a")  # noqa: SIM115 (the user's, open across cells)
     before = state(shell.user_ns)
     np.random.seed(5)
     random.seed(5)
@@ -117,7 +117,7 @@ def planned(shell, tmp_path_factory):
     after = state(shell.user_ns)
     rngs_after = (torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate())
     yield before, after, run, reached, (rngs, rngs_after)
-    shell.user_ns["held_log"].close()
+    held_log.close()
     for name in set(shell.user_ns) - shell._oommagic_tests_started_with:
         shell.user_ns.pop(name, None)
 
@@ -166,7 +166,7 @@ def test_the_plan_names_what_it_restored(planned):
 
 
 def test_a_cell_without_a_model_is_not_said_to_have_one(shell, run_cell):
-    for name in ("model", "opt"):
+    for name in set(shell.user_ns) - shell._oommagic_tests_started_with:
         shell.user_ns.pop(name, None)
     shell.run_cell("rows = []")
     run_cell(
