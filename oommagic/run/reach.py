@@ -32,6 +32,13 @@ _NOT_USER = (
     "asyncio",
     "oommagic",
     "comm",
+    # Threads, processes and progress bars live their own lives: rewinding their attributes breaks them.
+    "threading",
+    "multiprocessing",
+    "concurrent",
+    "queue",
+    "subprocess",
+    "tqdm",
 )
 # A NumPy array larger than this is named as not kept rather than compared after every trial.
 MAX_ARRAY_BYTES = 256 * 2**20
@@ -100,10 +107,7 @@ class Reach:
                     self.files.append((obj, path))
                 continue
             if isinstance(obj, torch.Tensor):
-                self.tensors.append((obj, path, owner))
-                grad = obj.grad if obj.is_leaf else None
-                if grad is not None:
-                    queue.append((grad, f"{path}.grad", owner or path))
+                self.tensors.append((obj, path, owner))  # with its .grad (``snapshot._Tensor``)
                 continue
             if numpy is not None and isinstance(obj, numpy.ndarray):
                 if obj.nbytes > MAX_ARRAY_BYTES:

@@ -39,7 +39,8 @@ class SnapshotTooLarge(RuntimeError):
 
 class _Tensor:
     """One tensor as it was: its values on the host, the storage it used, its version counter (which
-    every in-place write moves), the ``.grad`` object it held and whether it required grad."""
+    every in-place write moves), its ``.grad``'s values and whether it required grad. The gradient object
+    itself is not held: a trial that sets it to None frees its memory, as the run it measures would."""
 
     __slots__ = ("alias", "grad", "path", "requires_grad", "saved", "tensor", "version")
 
@@ -49,7 +50,8 @@ class _Tensor:
         self.alias = tensor.detach()
         self.saved = tensor.detach().to("cpu", copy=True)
         self.version = _version(tensor)
-        self.grad = tensor.grad if tensor.is_leaf else None
+        grad = tensor.grad if tensor.is_leaf else None
+        self.grad = grad.detach().to("cpu", copy=True) if grad is not None else None
         self.requires_grad = tensor.requires_grad
 
 
@@ -77,7 +79,10 @@ class UserState:
         """Snapshot ``namespace`` and everything it reaches. Raises ``SnapshotTooLarge`` (before copying
         anything) when the copies would not fit in host memory."""
         walk = Reach(namespace)
-        nbytes = sum(t.numel() * t.element_size() for t, _, _ in walk.tensors)
+        nbytes = sum(
+            _bytes(t) + (_bytes(t.grad) if t.is_leaf and t.grad is not None else 0)
+            for t, _, _ in walk.tensors
+        )
         nbytes += sum(a.nbytes for a, _, _ in walk.arrays)
         if check_host:
             available = host_available()
@@ -177,6 +182,8 @@ class UserState:
             t = kept.tensor
             if _version(t) != kept.version or t.shape != kept.saved.shape or _ptr(t) != _ptr(kept.alias):
                 differs.append(kept.path)
+            elif t.is_leaf and (t.grad is None) != (kept.grad is None):
+                differs.append(f"{kept.path}.grad")
         differs += [path for c, saved, path in self.containers if not _same_contents(c, saved)]
         differs += [path for o, attrs, path in self.objects if not _same_items(instance_dict(o), attrs)]
         if set(namespace) != set(self.namespace):
@@ -277,10 +284,21 @@ def _restore_tensor(kept: _Tensor) -> None:
         t.copy_(saved)
     kept.version = _version(t)
     if t.is_leaf:
-        if t.grad is not kept.grad:
-            t.grad = kept.grad
+        grad, saved_grad = t.grad, kept.grad
+        if saved_grad is None:
+            if grad is not None:
+                t.grad = None
+        elif grad is not None and grad.shape == saved_grad.shape and grad.dtype == saved_grad.dtype:
+            if not _equal(grad, saved_grad):
+                grad.copy_(saved_grad)
+        else:
+            t.grad = saved_grad.to(t.device, copy=True)
         if t.requires_grad != kept.requires_grad:
             t.requires_grad_(kept.requires_grad)
+
+
+def _bytes(t: Any) -> int:
+    return t.numel() * t.element_size()
 
 
 def _equal(t: Any, saved: Any) -> bool:
