@@ -79,9 +79,7 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         with frozen_heap():
             entries = measure.all()
     except SnapshotTooLarge as err:
-        return replace(
-            unmeasured_plan(run, "the state snapshot does not fit in host memory"), summary=str(err)
-        )
+        return replace(unmeasured_plan(run, err.why), summary=str(err))
     entries = with_time_ratios(entries, _step_time(run.recording.timeline.steps))
     plan = FixPlan(
         entries=ordered(entries),
@@ -91,7 +89,7 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         snapshot_bytes=measure.snapshot_bytes,
         cut_short=measure.ran_out and any(e.verdict == NOT_MEASURED for e in entries),
     )
-    return replace(plan, summary=_summary(plan, run), unfittable=_unfittable(plan, run))
+    return replace(plan, summary=_summary(plan, run, session.restored), unfittable=_unfittable(plan, run))
 
 
 class _Measure:
@@ -494,7 +492,7 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
     return steps[-1] - steps[-2] if len(steps) >= 2 else None
 
 
-def _summary(plan: FixPlan, run: CellRun) -> str:
+def _summary(plan: FixPlan, run: CellRun, restored: Any = None) -> str:
     best = plan.recommended
     likely = next((e for e in plan.entries if e.verdict == LIKELY_FITS), None)
     untried = next((e for e in plan.entries if e.verdict == NOT_MEASURED), None)
@@ -514,9 +512,7 @@ def _summary(plan: FixPlan, run: CellRun) -> str:
     spent = f"{trials} in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget"
     if plan.spent_s > plan.budget_s * 1.05:
         spent += " (extended for a search that was converging)"
-    return f"{head} {spent}; the model, optimizer, RNG and namespace were restored after each" + (
-        f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else "."
-    )
+    return f"{head} {spent}" + (f"; {restored.sentence()}" if restored is not None else ".")
 
 
 def _unfittable(plan: FixPlan, run: CellRun) -> str:

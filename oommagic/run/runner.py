@@ -159,6 +159,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
             result = shell.run_cell(spec.source, store_history=False)
         except KeyboardInterrupt:
             interrupted = True
+        counter.running = False  # the bounds are the cell's: what follows (dropping names) is not stopped
         attempt.wall_s = time.perf_counter() - t0
         attempt.steps = counter.steps
         exc, catch.exc = catch.exc, None
@@ -221,6 +222,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
 class _StepCounter:
     def __init__(self) -> None:
         self.steps = 0
+        self.running = True
 
 
 @contextlib.contextmanager
@@ -245,6 +247,8 @@ def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
 
     class Bounded(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
+            if not counter.running:
+                return func(*args, **(kwargs or {}))
             if deadline is not None and time.perf_counter() > deadline:
                 raise TrialStop(f"time budget of {bounds.seconds:.0f} s reached")
             nonlocal backwards

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +44,10 @@ class Session:
         self.budget_rule = (8.0, 30.0, 300.0)
         self._errors: dict[str, BaseException] = {}
         self.last_snapshot_bytes = 0
+        # What the trials of the last plan or search put back, for its summary (``restored.Restored``).
+        self.restored: Any = None
+        self._keeping = False
+        self._kept: Any = None  # the snapshot the next trial of this plan reuses
         # run id -> () -> allocator snapshot, for the last few runs (`%gpumem --snapshot`, the button).
         self.snapshots: dict[str, Callable[[], dict | None] | None] = {}
         # Views told of each new run (a report widget follows the retries the sidebar makes of its cell).
@@ -116,29 +120,69 @@ class Session:
         fixes in force; every probe leaves the user's state as it was."""
         from .batch_search import find_batch
 
-        return find_batch(self, spec_of(run), name)
+        with self._trials():
+            return find_batch(self, spec_of(run), name)
 
     def trial(self, spec: RunSpec, bounds: Bounds | None = None) -> Attempt:
-        """Run ``spec`` as a trial: bounded, quiet, recorded nowhere, and the user's state put back after
-        (model, optimizer, RNG, namespace), also on KeyboardInterrupt."""
+        """Run ``spec`` as a trial: bounded, quiet, recorded nowhere, and the user's state put back after:
+        everything the namespace reaches (``snapshot.UserState``) and every file it wrote
+        (``trial_files``), checked after the restore. An interrupt while the state is taken or put back
+        is held until that ends, then raised; one during the run stops it, and the state is put back."""
         from IPython.utils.capture import capture_output
 
+        from .held_interrupt import HeldInterrupt
         from .release import collect
+        from .restored import Restored
         from .snapshot import UserState
+        from .trial_files import CellWritesFiles, TrialFiles
 
         ns = self.shell.user_ns
-        saved = UserState.take(ns, spec.options.device or "") if not spec.options.no_snapshot else None
-        self.last_snapshot_bytes = saved.nbytes if saved is not None else 0
-        try:
-            with capture_output():
-                attempt = execute(self.shell, spec, bounds=bounds, scan=False)
-        finally:
+        files = TrialFiles()
+        with HeldInterrupt() as hold:
+            saved = None
+            if not spec.options.no_snapshot:
+                saved = (
+                    self._kept if self._kept is not None else UserState.take(ns, spec.options.device or "")
+                )
+            self.last_snapshot_bytes = saved.nbytes if saved is not None else 0
             if saved is not None:
-                saved.restore(ns)
-            collect(spec.options.device)
-        if attempt.outcome == "interrupted":
+                files.hold_open(saved.open_files)
+            try:
+                with hold.released(), files.watching(), capture_output():
+                    attempt = execute(self.shell, spec, bounds=bounds, scan=False)
+            finally:
+                hold.holding = True
+                files.stop()
+                if saved is not None:
+                    saved.restore(ns)
+                # Before the files go back: a file object the trial left open flushes as it is collected.
+                collect(spec.options.device)
+                written = files.restore()
+                differs = (saved.verify(ns) if saved is not None else ()) + files.differs()
+                # Within one plan or search nothing runs between trials: the next trial goes back to the
+                # same snapshot (where a check found something different, it is said, and no baseline moves).
+                self._kept = saved if self._keeping else None
+                record = saved.record() if saved is not None else Restored(snapshot=False)
+                record = replace(record, files=written, differs=differs)
+                keep_on = self._keeping and self.restored is not None
+                self.restored = self.restored.merged(record) if keep_on else record
+        if files.refused is not None:
+            raise CellWritesFiles(
+                f"Not measured: {files.refused}; the trial stopped there and left the files as they were."
+            )
+        if attempt.outcome == "interrupted" or hold.arrived:
             raise KeyboardInterrupt
         return attempt
+
+    @contextlib.contextmanager
+    def _trials(self) -> Iterator[None]:
+        """The trials of one plan or search: one snapshot serves them all (nothing runs between them);
+        ``restored`` gathers what they put back and what a check after a restore found different."""
+        self._keeping, self._kept, self.restored = True, None, None
+        try:
+            yield
+        finally:
+            self._keeping, self._kept = False, None
 
     # --- building the record --------------------------------------------------------------------------
 
@@ -195,7 +239,8 @@ class Session:
         from .plan import measure_plan, unmeasured_plan
 
         try:
-            return measure_plan(self, run)
+            with self._trials():
+                return measure_plan(self, run)
         except KeyboardInterrupt:
             self.progress("plan stopped: the fixes below are not measured")
             return unmeasured_plan(run, "stopped")

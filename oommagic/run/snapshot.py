@@ -1,141 +1,196 @@
 """Take the user's state before a trial and put it back after: a trial or a search probe runs the cell
 for real, and only the run the person accepts may keep its effects.
 
-What is kept, in host memory: every model's parameters, buffers and gradients (and which submodules were
-in training mode), every optimizer's, LR scheduler's and grad scaler's state, the RNG states (torch, CUDA,
-numpy, random), the namespace's bindings, the contents of its lists, dicts and sets, and the attributes of
-its other objects (a ``Trainer``'s ``state``, ``optimizer``, ...). Restoring writes the saved values back
-into the same tensor and container objects, so references the user holds stay valid.
+What is kept is whatever the namespace reaches, found by a walk rather than by a list of types: the
+bindings; the attributes of every object with a ``__dict__`` (models at any depth, optimizers, schedulers,
+a ``Trainer``, the user's own classes); the contents of every mutable mapping, sequence and set
+(``defaultdict``, ``deque``, ``OrderedDict`` included); the values of every tensor (with its ``.grad``)
+and NumPy array; the state of every random generator object (torch, NumPy, ``random``) and of the global
+ones. Restoring writes the saved values back into the same tensor and container objects, so references
+the user holds stay valid, then checks that nothing tracked differs (``UserState.verify``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import random
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableSet
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..diagnosis.context import IPYTHON_NAME, held_by, instance_dict
+from ..diagnosis.context import instance_dict
 from ..sizes import format_bytes
+from .reach import Reach
+from .restored import Restored
 
 # Leave this share of the host's available memory free when deciding whether a snapshot fits.
 HOST_RESERVE = 0.2
+# A tensor on an accelerator whose version counter did not move is compared with its copy this much at a time.
+COMPARE_BYTES = 64 * 2**20
 
 
 class SnapshotTooLarge(RuntimeError):
-    """The user's state does not fit in host memory; trials would change it for good."""
+    """The user's state does not fit in host memory; trials would change it for good. ``why`` is what
+    the plan's entries say instead of a verdict."""
+
+    why = "the state snapshot does not fit in host memory"
+
+
+class _Tensor:
+    """One tensor as it was: its values on the host, the storage it used, its version counter (which
+    every in-place write moves), its ``.grad``'s values and whether it required grad. The gradient object
+    itself is not held: a trial that sets it to None frees its memory, as the run it measures would."""
+
+    __slots__ = ("alias", "grad", "path", "requires_grad", "saved", "tensor", "version")
+
+    def __init__(self, tensor: Any, path: str) -> None:
+        self.tensor, self.path = tensor, path
+        # Shares the storage and the version counter: `t.data = other` swaps the storage, this keeps it.
+        self.alias = tensor.detach()
+        self.saved = tensor.detach().to("cpu", copy=True)
+        self.version = _version(tensor)
+        grad = tensor.grad if tensor.is_leaf else None
+        self.grad = grad.detach().to("cpu", copy=True) if grad is not None else None
+        self.requires_grad = tensor.requires_grad
 
 
 @dataclass
 class UserState:
-    """A snapshot of the user's state (see the module docstring); ``nbytes`` of host memory it holds."""
+    """A snapshot of the user's state (see the module docstring); ``nbytes`` of host memory it holds;
+    ``kept`` names what it keeps for the plan's summary, ``not_kept`` what it could not, with why."""
 
     namespace: dict = field(default_factory=dict)
-    contents: list = field(default_factory=list)
-    attributes: list = field(default_factory=list)
     tensors: list = field(default_factory=list)
-    slots: list = field(default_factory=list)
-    modes: list = field(default_factory=list)
-    stateful: list = field(default_factory=list)
-    optimizers: list = field(default_factory=list)
+    arrays: list = field(default_factory=list)
+    containers: list = field(default_factory=list)
+    objects: list = field(default_factory=list)
+    generators: list = field(default_factory=list)
     rng: dict = field(default_factory=dict)
+    tracked: set = field(default_factory=set)
+    open_files: list = field(default_factory=list)
+    failed: list = field(default_factory=list)  # what the last restore could not put back, and why
+    kept: tuple = ()
+    not_kept: tuple = ()
     nbytes: int = 0
 
     @classmethod
-    def take(cls, namespace: Mapping, device: str, check_host: bool = True) -> UserState:
-        """Snapshot ``namespace`` and everything it reaches that a run can change. Raises
-        ``SnapshotTooLarge`` (before copying anything) when the copies would not fit in host memory."""
-        import torch
-
-        modules: list = []
-        optimizers: list = []
-        for name, value in namespace.items():
-            if not IPYTHON_NAME.fullmatch(name):
-                with contextlib.suppress(Exception):
-                    held_by(name, value, None, modules, optimizers)
-        tensors = _model_tensors([m for _, m in modules])
-        nbytes = sum(t.numel() * t.element_size() for t in tensors)
-        nbytes += sum(_state_bytes(o) for o in optimizers)
+    def take(cls, namespace: Mapping, device: str = "", check_host: bool = True) -> UserState:
+        """Snapshot ``namespace`` and everything it reaches. Raises ``SnapshotTooLarge`` (before copying
+        anything) when the copies would not fit in host memory."""
+        walk = Reach(namespace)
+        nbytes = sum(
+            _bytes(t) + (_bytes(t.grad) if t.is_leaf and t.grad is not None else 0)
+            for t, _, _ in walk.tensors
+        )
+        nbytes += sum(a.nbytes for a, _, _ in walk.arrays)
         if check_host:
             available = host_available()
             if available is not None and nbytes > available * (1 - HOST_RESERVE):
+                largest = sorted(walk.tensors, key=lambda e: -e[0].numel() * e[0].element_size())[:3]
                 raise SnapshotTooLarge(
-                    f"keeping the model and optimizer state for the trials needs {format_bytes(nbytes)} of "
-                    f"host memory and {format_bytes(available)} is available; trials would change them "
-                    "for good. Run with --no-snapshot to try anyway (the trials then leave their changes), "
-                    "or --plan-budget 0 to skip trials."
+                    f"keeping what the cell can change for the trials needs {format_bytes(nbytes)} of host "
+                    f"memory (largest: {', '.join(p for _, p, _ in largest)}) and "
+                    f"{format_bytes(available)} is available; trials would change it for good. Run with "
+                    "--no-snapshot to try anyway (the trials then leave their changes), or --plan-budget 0 "
+                    "to skip trials."
                 )
-        state = cls(namespace=dict(namespace), nbytes=nbytes)
-        seen: set[int] = set()
-        for value in namespace.values():
-            kind = type(value)
-            if kind in (list, dict, set):
-                state.contents.append((value, copy.copy(value)))
-            elif not issubclass(kind, (torch.Tensor, torch.nn.Module)) and kind.__module__ != "builtins":
-                # The object and the plain objects it holds (a Trainer's `args`, its `state`): two levels.
-                for obj in [value, *instance_dict(value).values()]:
-                    attrs = instance_dict(obj)
-                    plain = not issubclass(type(obj), (torch.Tensor, torch.nn.Module))
-                    if attrs and plain and id(obj) not in seen:
-                        seen.add(id(obj))
-                        state.attributes.append((obj, dict(attrs)))
+        state = cls(namespace=dict(namespace), nbytes=nbytes, tracked=set(walk.seen))
+        not_kept = list(walk.not_kept)
+        import torch
+
         with torch.no_grad():
-            for t in tensors:
-                saved = t.detach().to("cpu", copy=True)
-                grad = t.grad if t.is_leaf else None
-                saved_grad = grad.detach().to("cpu", copy=True) if grad is not None else None
-                state.tensors.append((t, saved, saved_grad))
-        for _, module in modules:
-            for m in module.modules():
-                state.slots.append((m, dict(m._parameters), dict(m._buffers)))
-                state.modes.append((m, m.training))
-        for obj in _stateful(namespace, optimizers):
-            if obj in optimizers:
-                state.optimizers.append((obj, _optimizer_state(obj)))
-            else:
-                state.stateful.append((obj, _to_host(obj.state_dict())))
+            for t, path, _ in walk.tensors:
+                try:
+                    state.tensors.append(_Tensor(t, path))
+                except Exception as err:  # a meta or otherwise storage-less tensor: named, not kept
+                    not_kept.append((path, f"not copyable: {type(err).__name__}"))
+        state.arrays = [(a, a.copy(), path) for a, path, _ in walk.arrays]
+        state.containers = [(c, _contents(c), path) for c, path, _ in walk.containers]
+        state.objects = [(o, dict(instance_dict(o)), path) for o, path, _ in walk.objects]
+        for g, path, _ in walk.generators:
+            try:
+                get, put = _generator_state(g)
+                state.generators.append((g, put, get()))
+            except Exception:
+                not_kept.append((path, "its state cannot be read"))
+        state.open_files = [f for f, _ in walk.files]
         state.rng = _rng_state()
+        state.kept, state.not_kept = walk.names(), tuple(not_kept)
         return state
 
     def restore(self, namespace: dict) -> None:
-        """Put everything back as it was when the snapshot was taken."""
+        """Put everything back as it was when the snapshot was taken: bindings, attributes, contents,
+        then the tensors whose values differ, the generators and the global RNGs. One thing that cannot
+        be put back does not stop the others: it is named by ``verify``."""
         import torch
 
+        self.failed = []
         for key in [k for k in namespace if k not in self.namespace]:
             del namespace[key]
         for key, value in self.namespace.items():
             if namespace.get(key, _MISSING) is not value:
                 namespace[key] = value
-        for container, saved in self.contents:
-            container.clear()
-            container.update(saved) if not isinstance(container, list) else container.extend(saved)
-        for obj, attrs in self.attributes:
-            current = instance_dict(obj)
-            current.clear()
-            current.update(attrs)
-        for module, params, buffers in self.slots:
-            module._parameters.clear()
-            module._parameters.update(params)
-            module._buffers.clear()
-            module._buffers.update(buffers)
+        for obj, attrs, path in self.objects:
+            with self._naming(path):
+                current = instance_dict(obj)
+                if not _same_items(current, attrs):
+                    current.clear()
+                    current.update(attrs)
+        for container, saved, path in self.containers:
+            with self._naming(path):
+                if not _same_contents(container, saved):
+                    _refill(container, saved)
         with torch.no_grad():
-            for t, saved, saved_grad in self.tensors:
-                if t.shape == saved.shape and t.dtype == saved.dtype:
-                    t.copy_(saved)
-                else:
-                    t.data = saved.to(t.device)
-                if t.is_leaf:
-                    t.grad = None if saved_grad is None else saved_grad.to(t.device)
-        for module, mode in self.modes:
-            module.training = mode
-        for obj, saved in self.stateful:
-            obj.load_state_dict(copy.deepcopy(saved))
-        for opt, saved in self.optimizers:
-            _restore_optimizer(opt, saved)
-        _set_rng_state(self.rng)
+            for kept in self.tensors:
+                with self._naming(kept.path):
+                    _restore_tensor(kept)
+        numpy = sys.modules.get("numpy")
+        for array, saved, path in self.arrays:
+            with self._naming(path):
+                if array.shape != saved.shape:
+                    raise ValueError("its shape changed")
+                if not numpy.array_equal(array, saved, equal_nan=_has_nan(saved)):
+                    numpy.copyto(array, saved)
+        for generator, put, state in self.generators:
+            with self._naming(type(generator).__name__):
+                put(state)
+        with self._naming("the global RNGs"):
+            _set_rng_state(self.rng)
+
+    @contextlib.contextmanager
+    def _naming(self, path: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as err:  # named in the summary; the rest is still put back
+            self.failed.append(f"{path} ({type(err).__name__}: {err})"[:120])
+
+    def record(self) -> Restored:
+        """What this snapshot keeps, for the plan's summary."""
+        return Restored(
+            kept=self.kept,
+            not_kept=tuple(f"{path} ({why})" for path, why in self.not_kept),
+            nbytes=self.nbytes,
+        )
+
+    def verify(self, namespace: Mapping) -> tuple[str, ...]:
+        """What differs from the snapshot after ``restore`` (empty when nothing does): a tensor written
+        again, a container or attributes not as kept, or an object the namespace now reaches that the
+        snapshot never saw (state the restore could not reach)."""
+        differs: list[str] = list(self.failed)
+        for kept in self.tensors:
+            t = kept.tensor
+            if _version(t) != kept.version or t.shape != kept.saved.shape or _ptr(t) != _ptr(kept.alias):
+                differs.append(kept.path)
+            elif t.is_leaf and (t.grad is None) != (kept.grad is None):
+                differs.append(f"{kept.path}.grad")
+        differs += [path for c, saved, path in self.containers if not _same_contents(c, saved)]
+        differs += [path for o, attrs, path in self.objects if not _same_items(instance_dict(o), attrs)]
+        if set(namespace) != set(self.namespace):
+            differs.append("the namespace's names")
+        walk = Reach(namespace, stop_at=self.tracked)
+        differs += [f"{path} (new after the trial)" for path in walk.new[:3]]
+        return tuple(dict.fromkeys(differs))
 
 
 _MISSING = object()
@@ -153,85 +208,132 @@ def host_available() -> int | None:
     return None
 
 
-def _model_tensors(modules: list) -> list:
-    seen: dict[int, Any] = {}
-    for module in modules:
-        for t in [*module.parameters(), *module.buffers()]:
-            seen.setdefault(id(t), t)
-    return list(seen.values())
+def _generator_state(g: Any) -> tuple:
+    """(read the state, write it back) for a generator object of torch, NumPy or ``random``."""
+    import copy
+
+    if isinstance(g, random.Random):
+        g.getstate()  # SystemRandom has none: raises here, so the walk names it as not kept
+        return g.getstate, g.setstate
+    if hasattr(g, "get_state") and hasattr(g, "set_state"):  # torch.Generator, numpy RandomState
+        return g.get_state, g.set_state
+    bits = g.bit_generator if hasattr(g, "bit_generator") else g
+
+    def put(state: Any) -> None:
+        bits.state = state
+
+    return (lambda: copy.deepcopy(bits.state)), put
 
 
-def _state_bytes(optimizer: Any) -> int:
+def _contents(container: Any) -> tuple:
+    if isinstance(container, Mapping):
+        return (tuple(container.items()), getattr(container, "default_factory", None))
+    return (tuple(container), None)
+
+
+def _same_contents(container: Any, saved: tuple) -> bool:
+    items, factory = saved
+    if getattr(container, "default_factory", None) is not factory:
+        return False
+    now = tuple(container.items()) if isinstance(container, Mapping) else tuple(container)
+    if len(now) != len(items):
+        return False
+    if isinstance(container, Mapping):
+        return all(a[0] is b[0] and a[1] is b[1] for a, b in zip(now, items, strict=True))
+    if isinstance(container, (set, MutableSet)):
+        return {id(v) for v in now} == {id(v) for v in items}
+    return all(a is b for a, b in zip(now, items, strict=True))
+
+
+def _same_items(current: dict, saved: dict) -> bool:
+    return current.keys() == saved.keys() and all(current[k] is v for k, v in saved.items())
+
+
+def _refill(container: Any, saved: tuple) -> None:
+    """Put ``saved`` back into the same container object, in its order."""
+    items, factory = saved
+    if hasattr(container, "default_factory"):
+        container.default_factory = factory
+    if isinstance(container, Mapping):
+        container.clear()
+        container.update(items)
+    elif isinstance(container, (list, bytearray)):
+        container[:] = items
+    elif isinstance(container, (set, MutableSet)):
+        container.clear()
+        container |= set(items)
+    else:  # deque and any other mutable sequence
+        container.clear()
+        container.extend(items)
+
+
+def _restore_tensor(kept: _Tensor) -> None:
+    """Values back where they differ: at once where the version counter or the storage moved, else
+    after a comparison (a write through ``.data`` or NumPy does not move the counter)."""
+
+    t, saved = kept.tensor, kept.saved
+    if _ptr(t) != _ptr(kept.alias) or t.shape != kept.alias.shape or t.dtype != kept.alias.dtype:
+        t.data = kept.alias
+    changed = kept.version is None or _version(t) != kept.version
+    if not changed and saved.numel():
+        try:
+            changed = not _equal(t, saved)
+        except RuntimeError:
+            changed = True
+    if changed:
+        t.copy_(saved)
+    kept.version = _version(t)
+    if t.is_leaf:
+        grad, saved_grad = t.grad, kept.grad
+        if saved_grad is None:
+            if grad is not None:
+                t.grad = None
+        elif grad is not None and grad.shape == saved_grad.shape and grad.dtype == saved_grad.dtype:
+            if not _equal(grad, saved_grad):
+                grad.copy_(saved_grad)
+        else:
+            t.grad = saved_grad.to(t.device, copy=True)
+        if t.requires_grad != kept.requires_grad:
+            t.requires_grad_(kept.requires_grad)
+
+
+def _bytes(t: Any) -> int:
+    return t.numel() * t.element_size()
+
+
+def _equal(t: Any, saved: Any) -> bool:
+    """Whether ``t`` holds ``saved``'s values; on an accelerator, compared a slice at a time so that the
+    comparison never holds more than ``COMPARE_BYTES`` of device memory (the card was just full)."""
     import torch
 
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values() if isinstance(state, dict) else ():
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
+    if t.device.type == "cpu":
+        return torch.equal(t, saved)
+    if not (t.is_contiguous() and saved.is_contiguous()) or t.shape != saved.shape:
+        return False
+    flat, host = t.reshape(-1), saved.reshape(-1)
+    step = max(1, COMPARE_BYTES // max(t.element_size(), 1))
+    return all(
+        torch.equal(flat[i : i + step], host[i : i + step].to(t.device)) for i in range(0, flat.numel(), step)
+    )
 
 
-def _stateful(namespace: Mapping, optimizers: list) -> list:
-    """Optimizers, LR schedulers and grad scalers reachable from the namespace (one level deep)."""
-    found = {id(o): o for o in optimizers}
-    for value in namespace.values():
-        for candidate in [value, *instance_dict(value).values()]:
-            module = type(candidate).__module__ or ""
-            if module.startswith(("torch.optim.lr_scheduler", "torch.amp.grad_scaler", "torch.cuda.amp")):
-                found.setdefault(id(candidate), candidate)
-    return list(found.values())
+def _version(t: Any) -> int | None:
+    """The tensor's version counter (None for an inference tensor, which keeps none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
-def _optimizer_state(opt: Any) -> tuple:
-    """(per-parameter state: the same tensor objects with host copies of their values, the param groups'
-    settings): restored in place, so the state tensors stay the objects the user's optimizer holds."""
-    import torch
-
-    per_param = {}
-    for param, values in opt.state.items():
-        kept = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor):
-                kept[key] = (value, value.detach().to("cpu", copy=True))
-            else:
-                kept[key] = (None, copy.deepcopy(value))
-        per_param[param] = kept
-    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return per_param, groups
+def _ptr(t: Any) -> int:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # sparse and other layouts without one storage
+        return 0
 
 
-def _restore_optimizer(opt: Any, saved: tuple) -> None:
-    import torch
-
-    per_param, groups = saved
-    for param in [p for p in opt.state if p not in per_param]:
-        del opt.state[param]  # state a trial created: the optimizer had none for this parameter
-    with torch.no_grad():
-        for param, kept in per_param.items():
-            values = {}
-            for key, (tensor, value) in kept.items():
-                if tensor is not None:
-                    tensor.copy_(value)
-                    values[key] = tensor
-                else:
-                    values[key] = copy.deepcopy(value)
-            opt.state[param] = values
-    for group, settings in zip(opt.param_groups, groups, strict=False):
-        group.update(copy.deepcopy(settings))
-
-
-def _to_host(state: Any) -> Any:
-    """A deep copy of a ``state_dict`` with every tensor copied to host memory."""
-    import torch
-
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {k: _to_host(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_to_host(v) for v in state)
-    return copy.deepcopy(state)
+def _has_nan(array: Any) -> bool:
+    return array.dtype.kind in "fc"
 
 
 def _rng_state() -> dict:
