@@ -544,7 +544,7 @@ def checkpointing(ctx: DiagnosisContext, fig: Figures) -> Remedy | None:
         saving,
         code=code,
         automatic=bool(names) or new_source is not None,
-        params={"models": names, "calls": calls},
+        params={"models": names, **({"calls": calls} if calls else {})},
         new_source=new_source,
     )
 

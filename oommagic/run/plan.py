@@ -158,6 +158,8 @@ class _Measure:
                 entry = self.entry((remedy,))
                 if remedy.kind == "split_rows":
                     entry = self.smaller_chunks(entry)
+            except SnapshotTooLarge:
+                raise  # no trial can run: the whole plan says why
             except Exception as err:  # its setting could not be put in force (an object the cell dropped)
                 entry = PlanEntry(
                     (remedy,),
