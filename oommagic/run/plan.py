@@ -32,8 +32,7 @@ _COMBINATIONS = 2
 
 
 def default_budget(session: Any, run: CellRun) -> float:
-    factor, least, most = session.budget_rule
-    return min(max(factor * run.wall_s, least), most)
+    return session.settings.plan_budget(run.wall_s)
 
 
 def candidates(run: CellRun) -> list[Remedy]:
@@ -93,7 +92,7 @@ class _Measure:
         self.trials = 0
         self.snapshot_bytes = 0
         self.budget = run.budget
-        self.margin = session.plan_margin
+        self.margin = session.settings.plan_margin
         self.training = bool(run.context and run.context.training)
         self.keeps = any(f.key in ("growth", "kept") for f in run.findings)
 
@@ -183,12 +182,18 @@ class _Measure:
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method=method)
         self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in fixes)} …")
         attempt = self.try_(fixes, bounds)
-        return self.judge(fixes, attempt, method)
+        entry = self.judge(fixes, attempt, method)
+        self.session.progress(ended(entry.verdict, entry.peak, entry.note))
+        return entry
 
     def try_(self, fixes: tuple[Remedy, ...], bounds: Bounds) -> Attempt:
         self.trials += 1
         spec = spec_with(self.run, fixes)
-        attempt = self.session.trial(spec, bounds)
+        try:
+            attempt = self.session.trial(spec, bounds)
+        except KeyboardInterrupt:
+            self.session.progress(" stopped")  # ends the trial's progress line
+            raise
         self.snapshot_bytes = max(self.snapshot_bytes, self.session.last_snapshot_bytes)
         return attempt
 
@@ -225,8 +230,6 @@ class _Measure:
         if attempt.outcome == "stopped" and "time" in (attempt.stopped_by or ""):
             done = f"after {attempt.steps} optimizer steps" if self.training else "before the cell ended"
             return replace(entry, verdict=NOT_MEASURED, note=f"the time budget ran out {done}")
-        if attempt.outcome == "stopped" and "backward passes" in (attempt.stopped_by or ""):
-            return replace(entry, verdict=NOT_MEASURED, seconds_per_step=step, note=attempt.stopped_by or "")
         if self.training and attempt.outcome == "ok" and attempt.steps == 0:
             return replace(entry, verdict=NOT_MEASURED, note="the cell ran no optimizer step")
         note = ""
@@ -242,12 +245,10 @@ class _Measure:
         the optimizer's state (a temporary per parameter as it adds), which neither a probe nor the first
         micro-batches hold."""
         backwards = remedy.params.get("accumulate", 1) + 2 if self.training else 2
-        entry = self.entry(
+        # Stopped at its last backward pass, it reached the steady state it was run for: judged as a fit.
+        return self.entry(
             (*base, remedy), bounds=Bounds(steps=None, backwards=backwards, seconds=self.left())
         )
-        if entry.verdict == NOT_MEASURED and "backward passes" in (entry.note or ""):
-            entry = replace(entry, verdict=FITS, note="")
-        return entry
 
     def batch_entry(self, base: tuple[Remedy, ...]) -> PlanEntry | None:
         """The largest micro-batch that fits with ``base`` in force, with accumulation keeping the
@@ -280,8 +281,13 @@ class _Measure:
                 f"{' + ' if base else ''}{guess.name}={b} (probe) …"
             )
             attempt = self.try_((*base, remedy), bounds)
-            fits = attempt.outcome in ("ok", "stopped") and "time" not in (attempt.stopped_by or "")
             rec = attempt.recording
+            timed_out = "time" in (attempt.stopped_by or "")
+            fits = attempt.outcome in ("ok", "stopped") and not timed_out
+            verdict = FITS if fits else NOT_MEASURED if timed_out else DOES_NOT_FIT
+            self.session.progress(
+                ended(verdict, rec.peak_reserved, "the time budget ran out" if timed_out else "")
+            )
             return Trial(b, fits, rec.peak_reserved, attempt.wall_s, "probe", rec.peak_allocated)
 
         b = max(1, min(guess.value // 2, _first_probe(fig, guess.value)))
@@ -291,7 +297,7 @@ class _Measure:
                 break
             b = max(1, b // 2)
         while self.left() > 0 and len(trials) < 8:
-            nxt = next_batch(trials, self.budget, margin=self.session.search_margin)
+            nxt = next_batch(trials, self.budget, margin=self.session.settings.search_margin)
             if nxt is None or nxt >= guess.value:
                 break
             trials.append(probe(nxt))
@@ -342,6 +348,15 @@ class _Measure:
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         entry = self.entry((*base, remedy), steps_scale=scale)
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
+
+
+def ended(verdict: str, peak: int | None, note: str = "") -> str:
+    """The end of a trial's progress line: ' fits, peak 17.00 MiB', ' does not fit, peak at least …',
+    ' stopped: the time budget ran out'."""
+    if verdict == NOT_MEASURED:
+        return f" {'stopped' if 'time' in note else NOT_MEASURED}{': ' + note if note else ''}"
+    bound = "at least " if verdict == DOES_NOT_FIT else ""
+    return f" {verdict}" + (f", peak {bound}{format_bytes(peak)}" if peak is not None else "")
 
 
 def _grads_to_add(trials: list[Trial], ctx: Any) -> int:
@@ -398,14 +413,10 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
 
 
 def _summary(plan: FixPlan, run: CellRun) -> str:
-    best = plan.recommended
-    head = (
-        f"{best.title} fits: {best.line().removeprefix(FITS + ' — ')}."
-        if best is not None
-        else "No fix measured here fits."
-    )
+    # The first entry says what fits and by how much: the summary says only how it was measured.
+    head = "" if plan.recommended is not None else "No fix measured here fits. "
     return (
-        f"{head} {plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
+        f"{head}{plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
         f"{plan.budget_s:.0f} s budget; "
         "the model, optimizer, RNG and namespace were restored after each"
         + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")

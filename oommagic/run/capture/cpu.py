@@ -185,11 +185,19 @@ class CpuRecorder:
     (with the timeline), the operator (and line) that made each live storage, and the gradients seen at
     each optimizer step."""
 
-    def __init__(self, limit: int | None = None, timeline: bool = True, stacks: bool = False) -> None:
+    def __init__(
+        self,
+        limit: int | None = None,
+        timeline: bool = True,
+        stacks: bool = False,
+        trace_entries: int | None = None,
+    ) -> None:
         self.device = "cpu"
         self.limit = limit
         self.timeline = timeline
         self.stacks = stacks
+        # The snapshot's trace keeps the last this many events, as the CUDA allocator's history ring does.
+        self.trace_entries = trace_entries
         self.capacity = limit if limit is not None else host_memory()
         self._t: list[float] = []
         self._a: list[int] = []
@@ -305,7 +313,8 @@ class CpuRecorder:
 
     def snapshot(self) -> dict:
         """A snapshot in the format of ``torch.cuda.memory._snapshot()`` (one segment per live storage, the
-        cell's storage events as device 0's trace) that ``torch.cuda._memory_viz`` and pytorch.org/memory_viz
+        cell's storage events as device 0's trace, its last ``trace_entries``) that
+        ``torch.cuda._memory_viz`` and pytorch.org/memory_viz
         open; at the failure if there was one (the viewer reads the trace back from the segments' state, so
         both end there). CPU mode has no allocator: addresses are the tracker's storage keys."""
         start = self._t[0] if self._t else self._start
@@ -347,6 +356,8 @@ class CpuRecorder:
             }
             for b in sorted(live, key=lambda b: b.key)
         ]
+        if self.trace_entries is not None and len(trace) > self.trace_entries:
+            trace = trace[len(trace) - self.trace_entries :]
         return {
             "segments": segments,
             "device_traces": [trace],
