@@ -416,9 +416,8 @@ def _summary(plan: FixPlan, run: CellRun) -> str:
     # The first entry says what fits and by how much: the summary says only how it was measured.
     head = "" if plan.recommended is not None else "No fix measured here fits. "
     return (
-        f"{head}{plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
-        f"{plan.budget_s:.0f} s budget; "
-        "the model, optimizer, RNG and namespace were restored after each"
+        f"{head}{plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of "
+        f"{plan.budget_s:.0f} s; model, optimizer, RNG and namespace restored after each"
         + (f" ({format_bytes(plan.snapshot_bytes)} kept in host memory)." if plan.snapshot_bytes else ".")
     )
 

@@ -169,7 +169,9 @@ def finding_lines(run: CellRun, findings: int = 5) -> list[str]:
     in_plan = {r.kind for e in plan.entries for r in e.fixes} if plan is not None else set()
     lines = []
     for f in run.findings[:findings]:
-        lines.append(f"- {f.title}: {f.evidence}")
+        # A title the evidence already says ('The limit ran out, not the card') is said once.
+        said = f.title.lower().rstrip(".") in f.evidence.lower()
+        lines.append(f"- {f.evidence}" if said else f"- {f.title}: {f.evidence}")
         others = [r for r in f.remedies[:3] if r.kind not in in_plan]
         lines += [f"    also: {remedy_line(r, plan)}" for r in others]
     return lines
@@ -181,8 +183,12 @@ def figure_lines(run: CellRun, folded: bool) -> list[str]:
     if not folded:
         width = max(len(label) for label, _ in rows)
         return ["figures:"] + [f"  {label:<{width}}  {value}" for label, value in rows]
+    # Figures of the same value are said once, their labels together ('capacity, limit 3.00 MiB').
+    same: dict[str, list[str]] = {}
+    for label, value in rows:
+        same.setdefault(value, []).append(label)
     return textwrap.wrap(
-        "figures: " + " · ".join(f"{label} {value}" for label, value in rows),
+        "figures: " + " · ".join(f"{', '.join(labels)} {value}" for value, labels in same.items()),
         WIDTH,
         subsequent_indent="  ",
         break_on_hyphens=False,
