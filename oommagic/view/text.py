@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 from ..cellrun import CellRun
@@ -169,8 +170,10 @@ def finding_lines(run: CellRun, findings: int = 5) -> list[str]:
     in_plan = {r.kind for e in plan.entries for r in e.fixes} if plan is not None else set()
     lines = []
     for f in run.findings[:findings]:
-        # A title the evidence already says ('The limit ran out, not the card') is said once.
-        said = f.title.lower().rstrip(".") in f.evidence.lower()
+        # A title the evidence's first sentence already says ('The limit ran out, not the card') is said
+        # once.
+        first = f.evidence.split(". ", 1)[0].lower()
+        said = set(re.findall(r"[a-z]+", f.title.lower())) <= set(re.findall(r"[a-z]+", first))
         lines.append(f"- {f.evidence}" if said else f"- {f.title}: {f.evidence}")
         others = [r for r in f.remedies[:3] if r.kind not in in_plan]
         lines += [f"    also: {remedy_line(r, plan)}" for r in others]

@@ -95,7 +95,10 @@ def test_each_entry_shows_its_change_and_the_command_that_runs_it(failed):
 
 def test_short_diff_pairs_a_changed_line_with_its_replacement_and_counts_the_rest():
     old = "batch_size = 256\nloss = train(model, batch_size=batch_size)\n"
-    new = "# written by %%gpumem\n\ndef train(m, b):\n    a = 1\n    b = 2\n\nbatch_size = 16\n" + old.split("\n")[1]
+    new = (
+        "# written by %%gpumem\n\ndef train(m, b):\n    a = 1\n    b = 2\n\nbatch_size = 16\n"
+        + old.split("\n")[1]
+    )
     assert short_diff(old, new, 4) == [
         "- batch_size = 256",
         "+ batch_size = 16",
@@ -109,7 +112,9 @@ def test_each_trial_line_ends_with_its_result(failed):
     trials = [line for line in out.splitlines() if line.lstrip().startswith("trial ")]
     assert len(trials) >= 2, out
     for line in trials:
-        assert re.search(r"… (fits, peak [\d.]+ \w+|does not fit, peak at least [\d.]+ \w+|stopped.*)$", line), line
+        assert re.search(
+            r"… (fits, peak [\d.]+ \w+|does not fit, peak at least [\d.]+ \w+|stopped.*)$", line
+        ), line
 
 
 def test_fix_usage_errors_say_what_to_do(failed, shell):
