@@ -60,17 +60,19 @@ def test_a_fix_from_the_terminal(tmp_path):
     try:
 
         def cell(*lines: str) -> str:
-            """Type a cell (a cell magic ends at an empty line); what it printed up to the next prompt."""
+            """Type a cell; what it printed up to the next prompt. A cell magic ends at an empty line (at
+            two in --simple-prompt, whose input() drops the first one's newline)."""
             for line in lines:
                 term.sendline(line)
             if lines[0].startswith("%%"):
+                term.sendline("")
                 term.sendline("")
             term.expect(PROMPT)
             return term.before.replace("\r", "")
 
         term.expect(PROMPT)
         cell("%load_ext oommagic")
-        cell("exec(open('setup.py').read())")
+        cell("%run -i setup.py")  # its functions' source is the file's, as a notebook's is its cell's
         cell("%%gpumem --device cpu --quiet -o fits", "model = make_model()", "loss = train(model, 8)")
         cell('LIMIT = f"{2 * fits.peak_reserved // 2**20 + 1}MiB"')
         failed = cell(
