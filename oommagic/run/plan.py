@@ -344,6 +344,8 @@ class _Measure:
             )
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
             ran = "its first optimizer step and 2 micro-batches more" if self.training else "2 micro-batches"
+            if entry.verdict == NOT_MEASURED:
+                return replace(entry, method=how)  # the rewritten cell did not run that far: not said
             return replace(entry, method=f"{how}; the rewritten cell ran {ran}")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         entry = self.entry((*base, remedy), steps_scale=scale)
