@@ -342,7 +342,7 @@ def chosen_fix(history: list[CellRun], which: str) -> tuple[CellRun, int, Any]:
     if fitted is not None:
         raise UsageError(
             f"%gpumem --fix: the last cell that ran out of memory already fits with {fitted.change} "
-            f"(`%gpumem --fix` fixes a cell whose last run failed)"
+            "(`%gpumem --fix` fixes a cell whose last run failed)"
         )
     entries = run.plan.entries if run.plan is not None else ()
     if not entries:

@@ -50,6 +50,7 @@ def sample(unhurried: bool = False) -> str:
 
     shell = InteractiveShell.instance()
     if unhurried:
+        shell.run_line_magic("config", "GpuMemMagics.plan_budget_max = 600.0")
         shell.run_line_magic("config", "GpuMemMagics.plan_budget_min = 600.0")
     *setup, failing = quickstart_cells()
     with capture_output():

@@ -176,7 +176,8 @@ def finding_lines(run: CellRun, findings: int = 5) -> list[str]:
         said = set(re.findall(r"[a-z]+", f.title.lower())) <= set(re.findall(r"[a-z]+", first))
         lines.append(f"- {f.evidence}" if said else f"- {f.title}: {f.evidence}")
         others = [r for r in f.remedies[:3] if r.kind not in in_plan]
-        lines += [f"    also: {remedy_line(r, plan)}" for r in others]
+        label = "also" if in_plan else "fix"
+        lines += [f"    {label}: {remedy_line(r, plan)}" for r in others]
     return lines
 
 
