@@ -303,12 +303,23 @@ def kernel_differences(run: CellRun) -> list[str]:
 
 
 def paste_code(run: CellRun) -> str:
-    """The code that makes the cell say what ran: the rewritten cell, then each held fix's own snippet."""
-    parts = []
+    """The code that makes the notebook say what ran: the values a fix rebound in the kernel (set before the
+    cell), the rewritten cell, and each held setting's own snippet."""
+    rebound: list[str] = []
+    held: list[str] = []
+    for r in run.applied:
+        p = r.params
+        if r.kind == "batch" and p.get("where") in ("namespace", "option", "attribute"):
+            rebound.append(f"{p['name']} = {p['new']}")
+            if p.get("accumulation"):
+                rebound.append(f"{p['accumulation'][0]} = {p['accumulation'][2]}")
+            rebound += [f"{path} = {new}" for path, _, new in p.get("mirrors", [])]
+        elif not r.new_source and r.code:
+            held.append(r.code.rstrip())
+    parts = ["\n".join(rebound)] if rebound else []
     if run.original is not None and run.source != run.original:
         parts.append(run.source.rstrip())
-    parts += [r.code.rstrip() for r in run.applied if not r.new_source and r.code]
-    return "\n\n".join(parts)
+    return "\n\n".join(parts + held)
 
 
 def differs_lines(run: CellRun) -> list[str]:
@@ -320,7 +331,8 @@ def differs_lines(run: CellRun) -> list[str]:
     if not notes:
         return []
     lines = ["the kernel now differs from the cell as written:", *(f"  {n}" for n in notes)]
-    code = paste_code(run)
+    # The code that ran is worth pasting once it fits; after a retry that failed, the next fix comes first.
+    code = paste_code(run) if run.outcome == "ok" else ""
     if code:
         lines.append("paste into the cell what ran, so that the notebook and the kernel agree:")
         lines += [f"    {line}" if line else "" for line in code.splitlines()]

@@ -148,3 +148,36 @@ def test_fix_runs_the_recommended_entry_then_says_what_the_kernel_holds(failed, 
     assert textwrap.dedent(pasted).strip() == new.source.strip(), "the code to paste is what ran"
     with pytest.raises(UsageError, match="already fits"):
         shell.run_line_magic("gpumem", "--fix")
+
+
+NAMESPACE_BATCH = """
+import torch
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))
+net_opt = torch.optim.Adam(net.parameters(), lr=1e-3)
+bs = 64
+"""
+# The batch lives in the namespace (an earlier cell's `bs`), not in the failing cell's text.
+TRAIN_NS = """%%gpumem --device cpu --limit 24MiB --text
+for _ in range(2):
+    x = torch.ones(bs, 64, 256)
+    net(x).square().mean().backward()
+    net_opt.step()
+    net_opt.zero_grad()
+"""
+
+
+def test_a_batch_rebound_in_the_namespace_is_named_and_set_in_the_code_to_paste(shell, run_cell):
+    shell.run_cell(NAMESPACE_BATCH)
+    run_cell(TRAIN_NS)
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.plan.recommended is not None, render_text(failed)
+    fix = failed.plan.recommended.fixes[-1]
+    assert fix.kind == "batch" and fix.params["where"] == "namespace", fix.params
+    _, out = run_cell("%gpumem --fix")
+    new = oommagic.history()[-1]
+    assert new.outcome == "ok", out
+    assert f"`bs` is now {fix.params['new']} (was 64)" in out, out
+    pasted = textwrap.dedent(out[out.index("paste into the cell") :].split("\n", 1)[1])
+    assert pasted.startswith(f"bs = {fix.params['new']}\n"), "the value the kernel holds, set before the cell"
+    assert shell.user_ns["bs"] == fix.params["new"]
