@@ -11,8 +11,11 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Float, Int
 
 from .cellrun import CellRun
-from .options import OptionError, Options
+from .options import OptionError, Options, Settings
 from .sizes import format_bytes
+
+# What ``%gpumem --fix`` without a number runs: the plan's recommended entry.
+RECOMMENDED = "recommended"
 
 TORCH_MISSING = (
     "%%gpumem needs PyTorch, which is not installed in this kernel's environment. "
@@ -35,29 +38,30 @@ class GpuMemMagics(Magics):
     (``c.GpuMemMagics.plan_margin = 0.1``) or live with ``%config GpuMemMagics.plan_margin = 0.1``."""
 
     trace_entries = Int(
-        500_000,
+        Settings.trace_entries,
         help="Allocator trace entries kept per cell on CUDA (a longer cell loses its earliest events from "
         "the timeline; the peak stays exact).",
     ).tag(config=True)
     plan_margin = Float(
-        0.05,
+        Settings.plan_margin,
         help="Share of the budget a fix must leave free in its trial to be called 'fits' (the steps after "
         "the trial may allocate a little more).",
     ).tag(config=True)
     search_margin = Float(
-        0.02, help="Share of the budget the batch search keeps free when it predicts the largest batch."
+        Settings.search_margin,
+        help="Share of the budget the batch search keeps free when it predicts the largest batch.",
     ).tag(config=True)
     plan_budget_factor = Float(
-        8.0,
+        Settings.plan_budget_factor,
         help="Default time budget of the fix plan's trials, as a multiple of the failed run's own time "
         "(within plan_budget_min and plan_budget_max); --plan-budget overrides it.",
     ).tag(config=True)
-    plan_budget_min = Float(30.0, help="Least default time budget of the fix plan, in seconds.").tag(
-        config=True
-    )
-    plan_budget_max = Float(300.0, help="Most default time budget of the fix plan, in seconds.").tag(
-        config=True
-    )
+    plan_budget_min = Float(
+        Settings.plan_budget_min, help="Least default time budget of the fix plan, in seconds."
+    ).tag(config=True)
+    plan_budget_max = Float(
+        Settings.plan_budget_max, help="Most default time budget of the fix plan, in seconds."
+    ).tag(config=True)
 
     @magic_arguments()
     @argument(
@@ -120,6 +124,20 @@ class GpuMemMagics(Magics):
         "%%gpumem --snapshot FILE writes the last run's",
     )
     @argument("-o", dest="output", metavar="NAME", help="store the CellRun in the user namespace as NAME")
+    @argument(
+        "--fix",
+        nargs="?",
+        const=RECOMMENDED,
+        metavar="N",
+        help="line magic: run the last failed cell again with entry N of its fix plan (numbered as the "
+        "report numbers them; default: the recommended one), as its button does",
+    )
+    @argument(
+        "--free",
+        action="store_true",
+        help="line magic: give back the device memory pinned outside the namespace (an earlier error's "
+        "traceback, Out, ...) without a restart",
+    )
     @line_cell_magic
     def gpumem(self, line: str = "", cell: str | None = None) -> CellRun | None:
         """Record a cell's GPU memory; on out-of-memory, give it back, diagnose, offer fixes that fit.
@@ -148,7 +166,9 @@ class GpuMemMagics(Magics):
         outside the namespace's variables (an earlier error's traceback, ``Out``/``_``, exceptions,
         generators and closures kept in variables), with the path to each. ``%gpumem --free`` gives that
         memory back without a kernel restart and says how much came back; ``%gpumem --snapshot FILE``
-        writes the last run's allocator snapshot for PyTorch's memory viewer (pytorch.org/memory_viz).
+        writes the last run's allocator snapshot for PyTorch's memory viewer (pytorch.org/memory_viz);
+        ``%gpumem --fix [N]`` runs the last failed cell again with entry N of its fix plan (default: the
+        recommended one) exactly as the report's button does, from a terminal, VS Code or a script.
         Processes of the ranks a ``%%gpumem`` cell started are marked with their rank.
 
         Examples::
@@ -161,15 +181,7 @@ class GpuMemMagics(Magics):
         """
         __tracebackhide__ = True  # the cell's own error shows its own frames, not the magic's
         if cell is None:
-            words = line.split()
-            if words == ["--free"]:
-                print(free_pinned_memory(self.shell))
-                return None
-            if words:
-                return self._line_snapshot(line)
-            print(device_status(self._rank_pids()))
-            print(pinned_status(self.shell))
-            return None
+            return self._line(line)
         try:
             args = parse_argstring(self.gpumem, line)
             options = Options.from_args(args)
@@ -178,6 +190,8 @@ class GpuMemMagics(Magics):
             raise UsageError(f"{err}\nusage: %%{usage} (see %%gpumem?)") from None
         except OptionError as err:
             raise UsageError(str(err)) from None
+        if args.fix is not None or args.free:
+            raise UsageError("--fix and --free belong to the line magic: %gpumem --fix [N], %gpumem --free")
         _import_torch()
         from .run.runner import RunSpec, cell_id
 
@@ -205,21 +219,59 @@ class GpuMemMagics(Magics):
             self._write_snapshot(session, run, args.snapshot)
         return self._finish(session, run)
 
-    def _line_snapshot(self, line: str) -> None:
-        """``%gpumem --snapshot FILE``: the last run's snapshot to FILE; any other option is the cell's."""
+    def _line(self, line: str) -> CellRun | None:
+        """``%gpumem``: the devices and what pins memory; with ``--free``, ``--fix [N]`` or ``--snapshot
+        FILE``, that action alone."""
+        __tracebackhide__ = True
+        if not line.strip():
+            print(device_status(self._rank_pids()))
+            print(pinned_status(self.shell))
+            return None
         try:
             args = parse_argstring(self.gpumem, line)
         except UsageError:
             args = None
-        others = {k: v for k, v in vars(args).items() if v and k != "snapshot"} if args else {"?": 1}
-        if args is None or not args.snapshot or others:
+        actions = {"free", "fix", "snapshot"}
+        chosen = [k for k in actions if args is not None and getattr(args, k) not in (None, False)]
+        others = [k for k, v in vars(args).items() if v and k not in actions] if args is not None else []
+        if len(chosen) != 1 or others:
             raise UsageError(
-                f"%gpumem takes --free or --snapshot FILE (got {line.strip()!r}); %%gpumem is the cell magic"
+                f"%gpumem takes --free, --fix [N] or --snapshot FILE (got {line.strip()!r}); %%gpumem is the "
+                "cell magic"
             )
+        if args.free:
+            print(free_pinned_memory(self.shell))
+            return None
+        if args.fix is not None:
+            return self._fix(args.fix)
         session = self._session()
         if not session.history:
             raise UsageError("%gpumem --snapshot: no %%gpumem run in this kernel yet")
         self._write_snapshot(session, session.history[-1], args.snapshot)
+        return None
+
+    def _fix(self, which: str) -> CellRun | None:
+        """``%gpumem --fix [N]``: the last failed cell run again with entry N of its plan, through the
+        session's ``retry`` as the report's button runs it; the report of the new run follows."""
+        __tracebackhide__ = True
+        from .diagnosis.plan import NOT_MEASURED
+        from .view import in_notebook
+        from .view.text import differs_lines
+
+        session = self._session()
+        run, number, entry = chosen_fix(session.history, which)
+        if entry.verdict == NOT_MEASURED:
+            why = entry.note or entry.method or "no trial ran it"
+            print(f"%gpumem --fix {number}: {entry.title} was not measured ({why}); this run measures it")
+        print(f"%gpumem --fix {number}: running the cell again with {entry.title}", flush=True)
+        new = session.retry(run, entry.fixes)
+        shown_as_widget = not new.options.text and in_notebook(self.shell) and not new.options.quiet
+        try:
+            return self._finish(session, new)
+        finally:
+            # The widget shows no text: where a fix cannot be written into the cell, say what differs.
+            if shown_as_widget and new.outcome == "ok" and differs_lines(new):
+                print("\n".join(differs_lines(new)))
 
     def _write_snapshot(self, session: Any, run: CellRun, path: str) -> None:
         from .run.capture.snapshot_file import write_snapshot
@@ -245,11 +297,12 @@ class GpuMemMagics(Magics):
         from .run.session import session_for
 
         session = session_for(self.shell)
-        session.plan_margin = self.plan_margin
-        session.search_margin = self.search_margin
-        session.trace_entries = self.trace_entries
-        session.budget_rule = (self.plan_budget_factor, self.plan_budget_min, self.plan_budget_max)
+        session.settings = self.settings()
         return session
+
+    def settings(self) -> Settings:
+        """The knobs as set now (``%config``, ``ipython_config.py``), as one frozen record."""
+        return Settings(**{name: getattr(self, name) for name in Settings.names()})
 
     def _finish(self, session: Any, run: CellRun) -> CellRun | None:
         __tracebackhide__ = True
@@ -282,6 +335,61 @@ def _ipython_exit_hint(w: warnings.WarningMessage) -> bool:
     """IPython's "To exit: use 'exit'" after a SystemExit in the cell: it says it again when the magic
     raises the SystemExit, as it would without the magic."""
     return "IPython" in w.filename and str(w.message).startswith("To exit")
+
+
+def chosen_fix(history: list[CellRun], which: str) -> tuple[CellRun, int, Any]:
+    """(the last run that ran out of memory, the entry's number, its plan entry) for ``%gpumem --fix
+    which`` (``which``: a number as the report numbers the entries, or the recommended one); raises a
+    ``UsageError`` that says what to do where there is no such entry or it cannot be run."""
+    from .diagnosis.plan import DOES_NOT_FIT
+
+    failed = [r for r in history if r.outcome == "oom"]
+    if not failed:
+        raise UsageError(
+            "%gpumem --fix: no %%gpumem cell has run out of memory in this kernel yet; the fixes come with "
+            "the report of a cell that did"
+        )
+    run = failed[-1]
+    fitted = next((r for r in history if r.parent == run.id and r.outcome == "ok"), None)
+    if fitted is not None:
+        raise UsageError(
+            f"%gpumem --fix: the last cell that ran out of memory already fits with {fitted.change} "
+            "(`%gpumem --fix` fixes a cell whose last run failed)"
+        )
+    entries = run.plan.entries if run.plan is not None else ()
+    if not entries:
+        raise UsageError(
+            "%gpumem --fix: the last failed cell's report has no fix plan (no fix a retry can apply); its "
+            "findings say what to change in the cell"
+        )
+    span = f"1 to {len(entries)}" if len(entries) > 1 else "1"
+    if which == RECOMMENDED:
+        entry = run.plan.recommended
+        if entry is None:
+            raise UsageError(
+                "%gpumem --fix: no entry of the plan was measured to fit, so none is recommended; run one "
+                f"by its number to measure it: %gpumem --fix N (N: {span}, as the report numbers them)"
+            )
+        return run, entries.index(entry) + 1, entry
+    try:
+        number = int(which)
+    except ValueError:
+        raise UsageError(f"--fix expects the number of a plan entry ({span}), got {which!r}") from None
+    if not 1 <= number <= len(entries):
+        raise UsageError(f"%gpumem --fix {number}: the plan of the last failed cell has entries {span}")
+    entry = entries[number - 1]
+    if entry.verdict == DOES_NOT_FIT:
+        raise UsageError(
+            f"%gpumem --fix {number}: {entry.title} was measured not to fit ({entry.line()}); "
+            "the report offers no button for it either"
+        )
+    manual = [r.title for r in entry.fixes if not r.automatic]
+    if manual:
+        raise UsageError(
+            f"%gpumem --fix {number}: {', '.join(manual)} is not something a retry can apply; the report's "
+            "code shows what to write"
+        )
+    return run, number, entry
 
 
 def device_status(ranks: dict[int, int] | None = None) -> str:

@@ -7,7 +7,7 @@ all read this record. Pure: imports neither torch nor IPython.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .sizes import MOST_BYTES, parse_size
@@ -128,3 +128,26 @@ def parse_seconds(text: str | None) -> float | None:
     if value < 0:
         raise OptionError(f"--plan-budget cannot be negative, got {text!r}")
     return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The knobs of ``GpuMemMagics`` (``%config GpuMemMagics.<name> = value``), read once per magic call
+    into one record that the session hands to every part that uses one: the recorder (``trace_entries``),
+    the fix plan (``plan_margin``, ``plan_budget_*``) and the batch searches (``search_margin``)."""
+
+    trace_entries: int = 500_000
+    plan_margin: float = 0.05
+    search_margin: float = 0.02
+    plan_budget_factor: float = 8.0
+    plan_budget_min: float = 30.0
+    plan_budget_max: float = 300.0
+
+    def plan_budget(self, wall_s: float) -> float:
+        """The default time budget of the fix plan, in seconds, for a failed run that took ``wall_s``."""
+        return min(max(self.plan_budget_factor * wall_s, self.plan_budget_min), self.plan_budget_max)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The knobs' names, as ``%config`` spells them."""
+        return tuple(f.name for f in fields(cls))

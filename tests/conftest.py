@@ -20,6 +20,8 @@ STARTED_FIRST = (
     "tests/test_scripts.py",
     "tests/test_without_lab.py",
     "tests/view/test_protocol_fixture.py",
+    "tests/test_readme.py",
+    "tests/test_terminal.py",
 )
 # Modules whose tests share nothing (each runs a notebook of its own in a kernel of its own): their tests
 # go to the workers one by one, so that the four notebooks do not queue on one worker. Every other module

@@ -421,7 +421,7 @@ def test_an_exception_kept_in_a_variable_and_a_generator_are_pins(shell, run_cel
 
 def test_line_magic_options_are_checked(run_cell):
     _, out = run_cell("%gpumem --bogus")
-    assert "%gpumem takes --free or --snapshot FILE (got '--bogus')" in out
+    assert "%gpumem takes --free, --fix [N] or --snapshot FILE (got '--bogus')" in out
 
 
 def test_the_scan_reads_no_grad_of_a_non_leaf_tensor_and_stays_silent(shell, run_cell):

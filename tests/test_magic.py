@@ -355,7 +355,7 @@ def test_knobs_are_traits_settable_with_config(shell, run_cell):
     shell.run_line_magic("config", "GpuMemMagics.plan_margin = 0.2")
     try:
         run_cell("%%gpumem --quiet\nx = 1")
-        assert session_for(shell).plan_margin == 0.2
+        assert session_for(shell).settings.plan_margin == 0.2
     finally:
         shell.run_line_magic("config", "GpuMemMagics.plan_margin = 0.05")
 

@@ -183,7 +183,7 @@ def find_batch(session: Any, spec: Any, name: str) -> BatchSearch:
     from .release import frozen_heap
 
     with frozen_heap():
-        _search(search, trial, start, session.search_margin)
+        _search(search, trial, start, session.settings.search_margin)
     search.best = max((t.batch for t in search.trials if t.fits), default=None)
     if search.best is not None:
         # The answer the person asked for: the one binding a search leaves.

@@ -41,8 +41,7 @@ _COMBINATIONS = 2
 
 
 def default_budget(session: Any, run: CellRun) -> float:
-    factor, least, most = session.budget_rule
-    return min(max(factor * run.wall_s, least), most)
+    return session.settings.plan_budget(run.wall_s)
 
 
 def candidates(run: CellRun) -> list[Remedy]:
@@ -101,7 +100,7 @@ class _Measure:
         self.trials = 0
         self.snapshot_bytes = 0
         self.budget = run.budget
-        self.margin = session.plan_margin
+        self.margin = session.settings.plan_margin
         self.training = bool(run.context and run.context.training)
         self.keeps = any(f.key in ("growth", "kept") for f in run.findings)
 
@@ -240,12 +239,18 @@ class _Measure:
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method=method)
         self.session.progress(f"  trial {self.trials + 1}: {' + '.join(r.title for r in fixes)} …")
         attempt = self.try_(fixes, bounds)
-        return self.judge(fixes, attempt, method)
+        entry = self.judge(fixes, attempt, method)
+        self.session.progress(ended(entry.verdict, entry.peak, entry.note))
+        return entry
 
     def try_(self, fixes: tuple[Remedy, ...], bounds: Bounds) -> Attempt:
         self.trials += 1
         spec = spec_with(self.run, fixes)
-        attempt = self.session.trial(spec, bounds)
+        try:
+            attempt = self.session.trial(spec, bounds)
+        except KeyboardInterrupt:
+            self.session.progress(" stopped")  # ends the trial's progress line
+            raise
         self.snapshot_bytes = max(self.snapshot_bytes, self.session.last_snapshot_bytes)
         return attempt
 
@@ -358,8 +363,13 @@ class _Measure:
                 f"{' + ' if base else ''}{guess.name}={b} (probe) …"
             )
             attempt = self.try_((*base, remedy), bounds)
-            fits = attempt.outcome in ("ok", "stopped") and "time" not in (attempt.stopped_by or "")
             rec = attempt.recording
+            timed_out = "time" in (attempt.stopped_by or "")
+            fits = attempt.outcome in ("ok", "stopped") and not timed_out
+            verdict = FITS if fits else NOT_MEASURED if timed_out else DOES_NOT_FIT
+            self.session.progress(
+                ended(verdict, rec.peak_reserved, "the time budget ran out" if timed_out else "")
+            )
             return Trial(b, fits, rec.peak_reserved, attempt.wall_s, "probe", rec.peak_allocated)
 
         b = max(1, min(guess.value // 2, _first_probe(fig, guess.value)))
@@ -369,7 +379,7 @@ class _Measure:
                 break
             b = max(1, b // 2)
         while self.left() > 0 and len(trials) < 8:
-            nxt = next_batch(trials, self.budget, margin=self.session.search_margin)
+            nxt = next_batch(trials, self.budget, margin=self.session.settings.search_margin)
             if nxt is None or nxt >= guess.value:
                 break
             fitting = max((t.batch for t in trials if t.fits), default=None)
@@ -421,22 +431,48 @@ class _Measure:
             # steady state the probes did not hold, and a rewrite that breaks the cell, show here.
             self.converging(trials, guess.value)
             entry = self.accumulated(base, remedy)
-            while entry.verdict == DOES_NOT_FIT and not entry.note and new > 1 and self.left() > 0:
-                # The gradients kept between micro-batches took more room than the probes left: half the
-                # micro-batch, the effective batch kept.
-                new, acc = split_batch(guess.value, max(1, new // 2), True)
-                remedy = fix.batch(ctx, fig, guess, new, acc)
-                entry = self.accumulated(base, remedy)
+            while new > 1 and self.left() > 0 and _short(entry):
+                # The gradients kept between micro-batches took more room than the probes left (or left
+                # less than the margin): half the micro-batch, the effective batch kept.
+                smaller, acc = split_batch(guess.value, max(1, new // 2), True)
+                if smaller == new:
+                    break
+                halved = self.accumulated(base, fix.batch(ctx, fig, guess, smaller, acc))
+                if entry.verdict == LIKELY_FITS and halved.verdict != FITS:
+                    break  # no better: the likely fit stays, said as such
+                new, entry = smaller, halved
             fitted = min(
                 (t for t in trials if t.fits and t.batch >= new), key=lambda t: t.batch, default=None
             )
             how = f"{probes}: {guess.name}={fitted.batch if fitted else best} fit with room for the gradients"
             ran = "through its second optimizer step" if self.training else "2 micro-batches"
+            if entry.verdict == NOT_MEASURED:
+                return replace(entry, method=how)  # the rewritten cell did not run that far: not said
             return replace(entry, method=f"{how}; the rewritten cell ran {ran}")
         scale = 1.0 if remedy.params.get("keeps_effective") else guess.value / new
         self.converging(trials, new)
         entry = self.entry((*base, remedy), steps_scale=scale)
+        if entry.verdict == LIKELY_FITS and new > 1 and self.left() > 0:
+            # Less than the margin to spare: a smaller batch, verified, rather than a promise not kept.
+            smaller = fix.batch(ctx, fig, guess, max(1, new // 2), 1)
+            halved = self.entry((*base, smaller), steps_scale=guess.value / max(1, new // 2))
+            entry = halved if halved.verdict == FITS else entry
         return replace(entry, method=f"{probes}, {entry.method}" if entry.method else probes)
+
+
+def ended(verdict: str, peak: int | None, note: str = "") -> str:
+    """The end of a trial's progress line: ' fits, peak 17.00 MiB', ' does not fit, peak at least …',
+    ' stopped: the time budget ran out'."""
+    if verdict == NOT_MEASURED:
+        return f" {'stopped' if 'time' in note else NOT_MEASURED}{': ' + note if note else ''}"
+    bound = "at least " if verdict == DOES_NOT_FIT else ""
+    return f" {verdict}" + (f", peak {bound}{format_bytes(peak)}" if peak is not None else "")
+
+
+def _short(entry: PlanEntry) -> bool:
+    """Whether a verifying trial of the batch fell short in a way a smaller micro-batch can mend: out of
+    memory (not a rewrite that changed the work, which has a note), or a fit with less than the margin."""
+    return (entry.verdict == DOES_NOT_FIT and not entry.note) or entry.verdict == LIKELY_FITS
 
 
 def _grads_to_add(trials: list[Trial], ctx: Any) -> int:
@@ -495,26 +531,21 @@ def _step_time(steps: tuple[float, ...]) -> float | None:
 
 
 def _summary(plan: FixPlan, run: CellRun, restored: Any = None) -> str:
-    best = plan.recommended
-    likely = next((e for e in plan.entries if e.verdict == LIKELY_FITS), None)
+    # The first entry says what fits and by how much: the summary says how the plan was measured, and
+    # where nothing was verified, why.
     untried = next((e for e in plan.entries if e.verdict == NOT_MEASURED), None)
-    if best is not None:
-        head = f"{best.title} fits: {best.line().removeprefix(FITS + ' — ')}."
-    elif likely is not None:
-        head = f"{likely.title} likely fits: {likely.line().removeprefix(LIKELY_FITS + ' — ')}."
+    if plan.recommended is not None or any(e.verdict == LIKELY_FITS for e in plan.entries):
+        head = ""
     elif plan.cut_short and untried is not None:
         # Not "nothing fits": the budget ended before a fix was verified.
-        head = (
-            f"Stopped after {plan.spent_s:.0f} s (--plan-budget) before a fix was verified; the next "
-            f"candidate, not measured: {untried.title}."
-        )
+        head = f"Stopped after {plan.spent_s:.0f} s (--plan-budget) before a fix was verified. "
     else:
-        head = "No fix measured here fits."
+        head = "No fix measured here fits. "
     trials = f"{plan.trials} trial{'s' if plan.trials != 1 else ''}"
-    spent = f"{trials} in {plan.spent_s:.1f} s of the {plan.budget_s:.0f} s budget"
+    spent = f"{trials} in {plan.spent_s:.1f} s of {plan.budget_s:.0f} s"
     if plan.spent_s > plan.budget_s * 1.05:
         spent += " (extended for a search that was converging)"
-    return f"{head} {spent}" + (f"; {restored.sentence()}" if restored is not None else ".")
+    return head + spent + (f"; {restored.sentence()}" if restored is not None else ".")
 
 
 def _unfittable(plan: FixPlan, run: CellRun) -> str:

@@ -18,6 +18,7 @@ from ..categories import Breakdown
 from ..diagnosis.context import NamespaceScan
 from ..diagnosis.ranks import Ranks
 from ..oom import OOMReport, is_runtime_oom, parse_oom
+from ..options import Settings
 from ..timeline import Recording
 from .release import drop_bound_by_cell, free_failed_cell, identities
 from .spec import RunSpec
@@ -119,7 +120,13 @@ def cell_id(shell: Any) -> str | None:
     return (parent or {}).get("metadata", {}).get("cellId")
 
 
-def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool = True) -> Attempt:
+def execute(
+    shell: Any,
+    spec: RunSpec,
+    bounds: Bounds | None = None,
+    scan: bool = True,
+    settings: Settings | None = None,
+) -> Attempt:
     """Run ``spec.source`` in ``shell`` under a recorder, with ``spec.applied``'s settings in force.
 
     An out-of-memory error is caught, the namespace read (``scan``), its memory given back (frames, and the
@@ -127,7 +134,7 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
     (``scan=False``) leaves the final collection to its caller. Any
     other exception is kept in ``error``. ``bounds`` makes it a trial that stops at its steady state. A
     KeyboardInterrupt stops the run after every setting is restored (outcome ``interrupted``: the caller
-    re-raises it once the run is recorded).
+    re-raises it once the run is recorded). ``settings``: the magic's knobs (the recorder's trace length).
     """
     from ..diagnosis.context import scan_namespace
     from .capture import open_recorder
@@ -137,7 +144,10 @@ def execute(shell: Any, spec: RunSpec, bounds: Bounds | None = None, scan: bool 
 
     options = spec.options
     limit = bounds.limit if bounds is not None and bounds.limit is not None else options.limit
-    recorder = open_recorder(options.device, limit, timeline=options.timeline, stacks=options.stacks)
+    entries = (settings or Settings()).trace_entries
+    recorder = open_recorder(
+        options.device, limit, timeline=options.timeline, stacks=options.stacks, trace_entries=entries
+    )
     catch = _Catch(shell)
     bound_before = identities(shell.user_ns)
     # Read before the cell runs: an error in it replaces `sys.last_value`, which lets an earlier error's

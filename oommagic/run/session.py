@@ -17,6 +17,7 @@ from ..cellrun import CellRun
 from ..diagnosis.findings import Remedy
 from ..diagnosis.kinds import kind_of, rewrite_again
 from ..diagnosis.plan import with_measured
+from ..options import Settings
 from .fixes import spec_of, spec_with, undo
 from .release import drop_new_blas_workspaces
 from .runner import Attempt, Bounds, RunSpec, execute
@@ -37,11 +38,8 @@ class Session:
         self.history: list[CellRun] = []
         self._publish = publish
         self.progress: Callable[[str], None] = _print_progress
-        self.plan_margin = 0.05
-        self.search_margin = 0.02
-        self.trace_entries: int | None = None
-        # (factor, least, most): the default plan budget is factor x the failed run's time, within bounds.
-        self.budget_rule = (8.0, 30.0, 300.0)
+        # The magic's knobs (``GpuMemMagics`` traits), replaced by the magic at each call.
+        self.settings = Settings()
         self._errors: dict[str, BaseException] = {}
         self.last_snapshot_bytes = 0
         # What the trials of the last plan or search put back, for its summary (``restored.Restored``).
@@ -61,7 +59,7 @@ class Session:
 
     def run(self, spec: RunSpec) -> CellRun:
         """Run ``spec`` once; after an out-of-memory error, diagnose it and measure the fix plan."""
-        attempt = execute(self.shell, spec)
+        attempt = execute(self.shell, spec, settings=self.settings)
         run = self._build(spec, attempt)
         if run.outcome == "oom" and run.findings:
             # A trial would start every rank again, outside the recorded run: distributed cells get the
@@ -149,7 +147,7 @@ class Session:
                 files.hold_open(saved.open_files)
             try:
                 with hold.released(), files.watching(), capture_output():
-                    attempt = execute(self.shell, spec, bounds=bounds, scan=False)
+                    attempt = execute(self.shell, spec, bounds=bounds, scan=False, settings=self.settings)
             finally:
                 hold.holding = True
                 files.stop()
@@ -282,7 +280,8 @@ def _unmeasured(run: CellRun, why: str) -> Any:
 
 
 def _print_progress(line: str) -> None:
-    print(line, flush=True)
+    # A trial's line ("  trial 3: Batch 256 → 16 …") stays open until its result ends it.
+    print(line, end="" if line.endswith("…") else "\n", flush=True)
 
 
 _SESSIONS: dict[int, Session] = {}

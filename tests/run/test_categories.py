@@ -160,7 +160,7 @@ def test_snapshot_is_written_for_the_last_run_and_opens_in_memory_viz(shell, run
 
 def test_line_magic_refuses_other_options(run_cell):
     _, out = run_cell("%gpumem --limit 1GiB")
-    assert "takes --free or --snapshot FILE" in out
+    assert "takes --free, --fix [N] or --snapshot FILE" in out
 
 
 def test_two_runs_side_by_side_by_category(failed, shell, run_cell):

@@ -29,11 +29,16 @@ __all__ = [
 
 
 def open_recorder(
-    device: str | None, limit: float | int | None, timeline: bool = True, stacks: bool = False
+    device: str | None,
+    limit: float | int | None,
+    timeline: bool = True,
+    stacks: bool = False,
+    trace_entries: int = CUDA_TRACE_ENTRIES,
 ) -> CpuRecorder | CudaRecorder:
     """A recorder for ``device`` ("cpu", "cuda", "cuda:N", "N" or None = CUDA if available, else CPU);
     ``timeline=False`` records the peak and the steps but no timeline between the start and the end;
-    ``stacks`` records the Python line of each allocation.
+    ``stacks`` records the Python line of each allocation; ``trace_entries`` is how many allocator events
+    the trace keeps (``GpuMemMagics.trace_entries``: the CUDA history's ring, the CPU snapshot's trace).
 
     ``limit`` is bytes (int) or a fraction of the capacity (float in (0, 1]). A byte limit at or above the
     card's capacity is dropped with a warning. Raises ``ValueError`` for a device that does not exist.
@@ -46,8 +51,8 @@ def open_recorder(
     if kind == "cpu":
         capacity = host_memory()
         limit = _resolve_limit(limit, capacity, warnings, "this machine's memory")
-        return CpuRecorder(limit, timeline, stacks)
-    recorder = CudaRecorder(index, timeline=timeline, stacks=stacks)
+        return CpuRecorder(limit, timeline, stacks, trace_entries=trace_entries)
+    recorder = CudaRecorder(index, timeline=timeline, stacks=stacks, trace_entries=trace_entries)
     if recorder.capacity is not None:
         recorder.limit = _resolve_limit(limit, recorder.capacity, warnings, f"cuda:{index}'s capacity")
     elif not isinstance(limit, float):

@@ -4,6 +4,7 @@ emulates a card by raising ``torch.OutOfMemoryError`` in PyTorch's own message f
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
@@ -91,6 +92,14 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
     Parameter = torch.nn.Parameter
 
     class TensorBytesTracker(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            # torch wraps a mode's __torch_dispatch__ in torch._dynamo.disable, which imports torch._dynamo
+            # at the first op of the first %%gpumem cell: 3-8 s on CPU, more than the cell. Without
+            # torch._dynamo imported nothing can compile this frame; once it is (a cell compiled), the
+            # next cell's tracker is wrapped as torch wraps it.
+            return "torch._dynamo" in sys.modules
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if recorder.limit is not None:
@@ -185,11 +194,19 @@ class CpuRecorder:
     (with the timeline), the operator (and line) that made each live storage, and the gradients seen at
     each optimizer step."""
 
-    def __init__(self, limit: int | None = None, timeline: bool = True, stacks: bool = False) -> None:
+    def __init__(
+        self,
+        limit: int | None = None,
+        timeline: bool = True,
+        stacks: bool = False,
+        trace_entries: int | None = None,
+    ) -> None:
         self.device = "cpu"
         self.limit = limit
         self.timeline = timeline
         self.stacks = stacks
+        # The snapshot's trace keeps the last this many events, as the CUDA allocator's history ring does.
+        self.trace_entries = trace_entries
         self.capacity = limit if limit is not None else host_memory()
         self._t: list[float] = []
         self._a: list[int] = []
@@ -305,7 +322,8 @@ class CpuRecorder:
 
     def snapshot(self) -> dict:
         """A snapshot in the format of ``torch.cuda.memory._snapshot()`` (one segment per live storage, the
-        cell's storage events as device 0's trace) that ``torch.cuda._memory_viz`` and pytorch.org/memory_viz
+        cell's storage events as device 0's trace, its last ``trace_entries``) that
+        ``torch.cuda._memory_viz`` and pytorch.org/memory_viz
         open; at the failure if there was one (the viewer reads the trace back from the segments' state, so
         both end there). CPU mode has no allocator: addresses are the tracker's storage keys."""
         start = self._t[0] if self._t else self._start
@@ -347,6 +365,8 @@ class CpuRecorder:
             }
             for b in sorted(live, key=lambda b: b.key)
         ]
+        if self.trace_entries is not None and len(trace) > self.trace_entries:
+            trace = trace[len(trace) - self.trace_entries :]
         return {
             "segments": segments,
             "device_traces": [trace],

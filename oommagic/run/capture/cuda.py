@@ -84,12 +84,18 @@ class CudaRecorder:
     """
 
     def __init__(
-        self, index: int, limit: int | None = None, timeline: bool = True, stacks: bool = False
+        self,
+        index: int,
+        limit: int | None = None,
+        timeline: bool = True,
+        stacks: bool = False,
+        trace_entries: int = CUDA_TRACE_ENTRIES,
     ) -> None:
         import torch
 
         self.timeline = timeline
         self.stacks = stacks
+        self.trace_entries = trace_entries
         self.index = index
         self.device = f"cuda:{index}"
         self._nvml = handle_for(index)
@@ -164,7 +170,7 @@ class CudaRecorder:
                 # limit would let the cell run past a card that could never have held them.
                 torch.cuda.empty_cache()
         if self.timeline and not torch._C._cuda_isHistoryEnabled():
-            self._skipped = record_history(torch, self.stacks)
+            self._skipped = record_history(torch, self.stacks, self.trace_entries)
             self._owns_history = True
         torch.cuda.reset_peak_memory_stats(self.index)
         self._before = counters(torch, self.index)[:2]
@@ -346,6 +352,7 @@ class CudaRecorder:
             events=self._events,
             # A history this recorder turned on without --stacks has no frames to read.
             lines=self.stacks or not self._owned_history,
+            entries=self.trace_entries,
         )
 
     def recording(self) -> Recording:
@@ -396,16 +403,16 @@ def counters(torch: Any, index: int) -> tuple[int, int, int, int]:
     )
 
 
-def record_history(torch: Any, stacks: bool) -> tuple[str, ...]:
+def record_history(torch: Any, stacks: bool, entries: int = CUDA_TRACE_ENTRIES) -> tuple[str, ...]:
     """Turn the CUDA allocator's history on (``context=None``: no stack capture; Python stacks of each
-    alloc with ``stacks``), without the actions the replay never reads where this torch can leave them
-    out (``skip_actions``); returns the actions left out."""
+    alloc with ``stacks``), keeping the last ``entries`` events, without the actions the replay never
+    reads where this torch can leave them out (``skip_actions``); returns the actions left out."""
     # Python stacks only with --stacks: C++ stacks cost ~1.4 s per snapshot (DESIGN.md).
     settings = {
         "enabled": "all",
         "context": "alloc" if stacks else None,
         "stacks": "python",
-        "max_entries": CUDA_TRACE_ENTRIES,
+        "max_entries": entries,
     }
     try:
         torch.cuda.memory._record_memory_history(**settings, skip_actions=list(SKIPPED_ACTIONS))

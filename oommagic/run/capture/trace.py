@@ -19,11 +19,12 @@ from operator import itemgetter, methodcaller, sub
 from typing import Any
 
 from ...categories import Block
+from ...options import Settings
 from ...timeline import Timeline
 
 # 500k trace entries is a few hundred MB at most and covers minutes of training; a longer cell loses its
 # earliest events (the peak figures come from memory_stats and stay exact).
-CUDA_TRACE_ENTRIES = 500_000
+CUDA_TRACE_ENTRIES = Settings.trace_entries  # the default of GpuMemMagics.trace_entries
 
 # What the replay does with each action: 1 alloc, 2 free_requested (``memory_allocated`` counts a block
 # from its alloc to its free_requested), 3 and 4 a segment reserved and given back, 5 an out-of-memory
@@ -96,6 +97,7 @@ def cuda_timeline(
     origin_us: float | None = None,
     events: TraceEvents | None = None,
     lines: bool = True,
+    entries: int = CUDA_TRACE_ENTRIES,
 ) -> Timeline:
     """Replay the allocator trace of device ``index`` from ``start_us`` on, starting from ``before``
     (allocated, reserved); times are seconds from ``origin_us`` (default ``start_us``).
@@ -103,14 +105,15 @@ def cuda_timeline(
     the replay's maximum equals ``max_memory_allocated``. ``events``, when given, receives every alloc and
     free as a ``categories`` event (µs, address, bytes or -bytes freed, None, Python line: read from the
     alloc's frames unless ``lines`` is False) and the index of the one after which allocated memory
-    peaked, in the same pass. The trace is a list of the allocator's dicts or a ``TraceColumns``."""
+    peaked, in the same pass. ``entries`` is the ring's length the history was recorded with (a full ring
+    lost its earliest events). The trace is a list of the allocator's dicts or a ``TraceColumns``."""
     import numpy as np
 
     origin = start_us if origin_us is None else origin_us
     traces = snapshot.get("device_traces") or []
     raw = traces[index] if index < len(traces) else []
     codes, times, raw_sizes, addrs, frames = _replayed_fields(raw)
-    truncated = len(raw) >= CUDA_TRACE_ENTRIES and len(raw) > 0 and bool(times[0] > start_us)
+    truncated = len(raw) >= entries and len(raw) > 0 and bool(times[0] > start_us)
     kinds = np.asarray(_REPLAY_TABLE, np.int8)[codes]
     replayed = np.flatnonzero((kinds > 0) & (times >= start_us))
     kinds, when = kinds[replayed], times[replayed]
