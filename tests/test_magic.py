@@ -512,3 +512,18 @@ def test_an_error_in_a_repr_fails_no_cell_as_without_the_magic(run_cell):
     result, out = run_cell("%%gpumem --device cpu\n" + source)
     assert plain.success and result.success and "no repr" in out
     assert last_run().outcome == "ok"
+
+
+def test_a_trial_whose_time_runs_out_inside_no_grad_leaves_autograd_on(shell):
+    from oommagic.options import Options
+    from oommagic.run.runner import Bounds, RunSpec, execute
+
+    # The budget runs out while the block sleeps: the next torch call is no_grad's own switch back.
+    cell = "import time\nwith torch.no_grad():\n    time.sleep(1.5)\nv = torch.ones(2) * 2\n"
+    spec = RunSpec(source=cell, options=Options(device="cpu"))
+    attempt = execute(shell, spec, bounds=Bounds(steps=None, seconds=0.5), scan=False)
+    assert attempt.outcome == "stopped" and "time budget" in attempt.stopped_by
+    # The budget ends the trial at an operation on tensors, never inside the switch of a mode that the
+    # `with` around it would then not switch back.
+    assert torch.is_grad_enabled()
+    shell.user_ns.pop("v", None)

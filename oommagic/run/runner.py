@@ -239,7 +239,7 @@ class _StepCounter:
 def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
     """Count optimizer steps; with ``bounds``, end the run by ``TrialStop`` at the first backward pass
     after that many steps (raised once the backward pass completed, so its peak is recorded) or once its
-    time is up (at the next torch call)."""
+    time is up (at the next torch operation on tensors)."""
     counter = _StepCounter()
     if bounds is None:
         yield counter
@@ -259,7 +259,10 @@ def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if not counter.running:
                 return func(*args, **(kwargs or {}))
-            if deadline is not None and time.perf_counter() > deadline:
+            # Only at an operation on tensors: a mode's switch (no_grad's `_set_grad_enabled` on its way
+            # out) stopped here would leave the mode on for the rest of the session.
+            computes = any(isinstance(a, torch.Tensor) for a in args)
+            if deadline is not None and computes and time.perf_counter() > deadline:
                 raise TrialStop(f"time budget of {bounds.seconds:.0f} s reached")
             nonlocal backwards
             out = func(*args, **(kwargs or {}))
