@@ -102,8 +102,9 @@ class GpuMemMagics(Magics):
     @argument(
         "--no-snapshot",
         action="store_true",
-        help="let trials and searches run without keeping the model, optimizer, RNG and namespace in host "
-        "memory to restore them (for state larger than host memory): their changes then remain",
+        help="let trials and searches run without keeping what the namespace reaches (models, optimizers, "
+        "tensors, containers, random generators) in host memory to restore them (for state larger than "
+        "host memory): their changes then remain",
     )
     @argument(
         "--report-errors",
@@ -146,10 +147,10 @@ class GpuMemMagics(Magics):
         wall time, peak allocated and reserved memory, memory held after vs before, headroom and a
         timeline of allocated/reserved memory (optimizer steps marked) are shown. When the cell runs out
         of memory, its memory is given back at once, the error's figures are laid out with a diagnosis,
-        the candidate fixes are measured by bounded trials (your model, optimizer, RNG and namespace are
-        restored after each), and buttons run the cell with the cheapest fix that fits. The cell still
-        fails, with a ``torch.OutOfMemoryError`` whose text is PyTorch's message, so Run All stops; any
-        other error ends the cell unchanged.
+        the candidate fixes are measured by bounded trials (what the namespace reaches and the files the
+        cell writes are put back after each), and buttons run the cell with the cheapest fix that fits.
+        The cell still fails, with a ``torch.OutOfMemoryError`` whose text is PyTorch's message, so Run
+        All stops; any other error ends the cell unchanged.
 
         Without CUDA (or with ``--device cpu``) it runs in CPU mode: tensor storage bytes are tracked
         exactly and ``--limit`` emulates a card of that size.

@@ -5,7 +5,7 @@ fix is enough, and order what was measured (``diagnosis.plan``).
 A training trial stops once its steady-state peak is reached: after the optimizer has stepped twice (its
 state exists) and past the step where the original run failed. Other cells run whole. Every trial runs
 inside the time budget (``--plan-budget``; by default scaled from the failed run's own time), and leaves
-the user's model, optimizer, RNG and namespace as they were (``Session.trial``).
+what the namespace reaches and the files it wrote as they were (``Session.trial``).
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
     n = len(candidates(run))
     session.progress(
         f"%%gpumem: measuring {n} fix{'es' if n != 1 else ''} in at most {budget_s:.0f} s (--plan-budget): "
-        "each trial re-runs the cell (its prints and files too) and puts your model, optimizer, RNG and "
-        "namespace back afterwards; interrupt the kernel to stop."
+        "each trial re-runs the cell (its prints too) and puts back what it changed (tensors, containers, "
+        "random generators, files); interrupt the kernel to stop."
     )
     try:
         with frozen_heap():

@@ -85,7 +85,10 @@ class Reach:
         self.seen: dict[int, Any] = {}
         self._owner: str | None = None
         queue = collections.deque(
-            (value, name, None) for name, value in namespace.items() if not IPYTHON_NAME.fullmatch(name)
+            (value, name, None)
+            for name, value in namespace.items()
+            # Dunder names are the interpreter's and torch.compile's (`__builtins_dict___0`), not the user's.
+            if not IPYTHON_NAME.fullmatch(name) and not name.startswith("__")
         )
         generator_types = _generator_types()
         while queue:

@@ -281,7 +281,9 @@ def _restore_tensor(kept: _Tensor) -> None:
         except RuntimeError:
             changed = True
     if changed:
-        t.copy_(saved)
+        # Through a detached alias (same storage, same version counter): a view of a multi-output op
+        # whose base was just written refuses in-place writes of its own (seen on an H100).
+        t.detach().copy_(saved)
     kept.version = _version(t)
     if t.is_leaf:
         grad, saved_grad = t.grad, kept.grad
@@ -290,7 +292,7 @@ def _restore_tensor(kept: _Tensor) -> None:
                 t.grad = None
         elif grad is not None and grad.shape == saved_grad.shape and grad.dtype == saved_grad.dtype:
             if not _equal(grad, saved_grad):
-                grad.copy_(saved_grad)
+                grad.detach().copy_(saved_grad)
         else:
             t.grad = saved_grad.to(t.device, copy=True)
         if t.requires_grad != kept.requires_grad:
@@ -306,6 +308,9 @@ def _equal(t: Any, saved: Any) -> bool:
     comparison never holds more than ``COMPARE_BYTES`` of device memory (the card was just full)."""
     import torch
 
+    # Detached: a view of a multi-output op (`mu, logvar = stats.chunk(2)`) whose base a restore wrote
+    # refuses any view of it while autograd records (seen on an H100: every trial of a VAE cell failed).
+    t = t.detach()
     if t.device.type == "cpu":
         return torch.equal(t, saved)
     if not (t.is_contiguous() and saved.is_contiguous()) or t.shape != saved.shape:

@@ -30,6 +30,22 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 # Not files of the user's: the kernel's own devices and pseudo-files.
 _SYSTEM = ("/dev/", "/proc/", "/sys/")
 
+
+def compiler_caches() -> tuple[str, ...]:
+    """Where torch.compile's compilers keep their caches (inductor's in the temp folder, Triton's in the
+    home folder): a compiled model's trial writes and removes scratch folders there, which are no work of
+    the user's to put back (a compiled model's every trial was refused for one, on an H100)."""
+    import getpass
+
+    dirs = [
+        os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"),
+        os.environ.get("TRITON_CACHE_DIR"),
+        os.path.join(os.path.expanduser("~"), ".triton"),
+    ]
+    return tuple(os.path.abspath(d) + os.sep for d in dirs if d)
+
+
 _watching: TrialFiles | None = None
 _installed = False
 
@@ -52,6 +68,7 @@ class TrialFiles:
         self.kept: dict[str, str | None] = {}
         self.made_dirs: list[str] = []
         self.refused: str | None = None
+        self.caches = compiler_caches()
         self.kept_bytes = 0
         # Files the namespace holds open for writing: (file object, bytes before, position before).
         self.held: dict[str, tuple[Any, int, int | None]] = {}
@@ -182,11 +199,20 @@ def _on_event(event: str, args: tuple) -> None:
     handle = _EVENTS.get(event)
     if handle is None or getattr(files._busy, "on", False):
         return
+    if args and _in_caches(args[0], files.caches):
+        return
     files._busy.on = True  # copying a file aside opens files too
     try:
         handle(files, args)
     finally:
         files._busy.on = False
+
+
+def _in_caches(raw: Any, caches: tuple[str, ...]) -> bool:
+    try:
+        return os.path.abspath(os.fsdecode(os.fspath(raw))).startswith(caches)
+    except TypeError:
+        return False
 
 
 def _open(files: TrialFiles, args: tuple) -> None:

@@ -136,7 +136,7 @@ def plan_html(run: CellRun) -> str:
     )
     how = (
         f"{plan.trials} trial{'s' if plan.trials != 1 else ''} in {plan.spent_s:.1f} s of the "
-        f"{plan.budget_s:.0f} s budget; your model, optimizer, RNG and namespace were put back after each"
+        f"{plan.budget_s:.0f} s budget; {plan.summary.partition('; ')[2] or 'restored after each'}"
         if plan.trials
         else plan.summary
     )

@@ -595,7 +595,9 @@ def test_an_accumulated_batch_is_checked_through_the_optimizers_step_and_stays_n
     # twice as long); 16 × 32 fits here.
     run_cell(EPOCH_SETUP)
     _, fix, fitted = first_click(90, EPOCH_CELL, shell, run_cell)
-    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    # The limit leaves the steady state a few MiB under it: verified within the budget, said "likely" where
+    # that is less than the margin; either way the first entry and, pressed, it fits.
+    assert fix.kind == "batch" and fix.verdict in ("fits", "likely fits"), fix
     assert fitted.outcome == "ok", fitted.headline()
     batch = next(r for r in fitted.applied if r.kind == "batch")
     assert batch.params["new"] * batch.params["accumulate"] == 512, batch.params
@@ -685,7 +687,7 @@ def test_a_loader_over_a_dataset_on_the_host_gets_its_batch_cut_and_fits(shell, 
     counted = failed.categories
     assert counted["parameters"] >= 16 * 2**20, counted.parts
     assert all(a.nbytes < 64 * 2**20 for a in counted.top), "no sample counted as the whole dataset"
-    assert fix.kind == "batch" and fix.verdict == "fits", fix
+    assert fix.kind == "batch" and fix.verdict in ("fits", "likely fits"), fix
     assert fitted.outcome == "ok", fitted.headline()
 
 

@@ -211,3 +211,25 @@ def test_a_file_too_large_to_keep_aside_stops_the_trial_and_the_plan_says_so(
     assert run.plan.summary.startswith(f"Not measured: the cell writes {big} (4.00 KiB)"), run.plan.summary
     assert all(e.verdict == "not measured" for e in run.plan.entries)
     assert big.read_bytes() == b"x" * 4096
+
+
+def test_a_compilers_cache_folder_is_no_file_of_the_users(tmp_path, monkeypatch):
+    import shutil
+
+    from oommagic.run.trial_files import FileTooLarge, TrialFiles
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    files = TrialFiles()
+    with files.watching():
+        scratch = tmp_path / "inductor" / "triton" / "tmp.pid_1"
+        scratch.mkdir(parents=True)
+        (scratch / "kernel.py").write_text("compiled")
+        shutil.rmtree(scratch)
+    assert files.refused is None
+    files.restore()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    files = TrialFiles()
+    with pytest.raises(FileTooLarge), files.watching():
+        shutil.rmtree(mine)
+    assert "removes the directory" in files.refused
