@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from .parse import IDENTIFIER, binding_sites, dotted_name, int_literal, tree_of
@@ -160,69 +161,53 @@ def expression_nodes(tree: ast.Module, path: tuple[str, ...]) -> list[ast.expr]:
     ]
 
 
+def _range_loops(tree: ast.Module) -> Iterator[tuple[ast.For | ast.AsyncFor, str, ast.expr]]:
+    """The loops ``for i in range(start, stop, step)``: each with its index's name and its step."""
+    for loop in ast.walk(tree):
+        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
+            continue
+        it = loop.iter
+        if isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3:
+            yield loop, loop.target.id, it.args[2]
+
+
+def _slice_ends(loop: ast.AST, index: str) -> Iterator[ast.expr]:
+    """The terms added to ``index`` at the end of the slices ``x[index:index + n]`` inside ``loop``."""
+    for node in ast.walk(loop):
+        if not (isinstance(node, ast.Slice) and isinstance(node.lower, ast.Name) and node.lower.id == index):
+            continue
+        upper = node.upper
+        if isinstance(upper, ast.BinOp) and isinstance(upper.op, ast.Add):
+            yield from (upper.left, upper.right)
+
+
 def step_batch(source: str) -> BatchGuess | None:
     """The batch of a loop over slices written with a literal: ``for i in range(0, len(X), 128)`` whose
     body slices ``X[i:i + 128]``. Named by the loop's ``range(...)``."""
     tree = tree_of(source)
     if tree is None:
         return None
-    for loop in ast.walk(tree):
-        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
-            continue
-        it = loop.iter
-        if not (isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3):
-            continue
-        step = int_literal(it.args[2])
-        if step is None or step < 2 or not _step_slices(loop, loop.target.id, step):
-            continue
-        return BatchGuess(f"range(…, {step})", step, "step")
+    for loop, index, end in _range_loops(tree):
+        step = int_literal(end)
+        if step is not None and step >= 2 and _step_slices(loop, index, step):
+            return BatchGuess(f"range(…, {step})", step, "step")
     return None
 
 
 def _stepping_names(tree: ast.Module) -> set[str]:
     """The names that step a ``range`` loop over slices: ``B`` of ``for i in range(0, n, B)`` whose body
     slices ``x[i:i + B]``."""
-    found = set()
-    for loop in ast.walk(tree):
-        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
-            continue
-        it = loop.iter
-        if not (isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3):
-            continue
-        step = it.args[2]
-        if isinstance(step, ast.Name) and _slices_by(loop, loop.target.id, step.id):
-            found.add(step.id)
-    return found
-
-
-def _slices_by(loop: ast.AST, index: str, name: str) -> bool:
-    """Whether ``loop`` slices ``x[index:index + name]``."""
-    for node in ast.walk(loop):
-        if not (isinstance(node, ast.Slice) and isinstance(node.lower, ast.Name) and node.lower.id == index):
-            continue
-        upper = node.upper
-        sides = (
-            (upper.left, upper.right)
-            if isinstance(upper, ast.BinOp) and isinstance(upper.op, ast.Add)
-            else ()
-        )
-        if any(isinstance(side, ast.Name) and side.id == name for side in sides):
-            return True
-    return False
+    return {
+        end.id
+        for loop, index, end in _range_loops(tree)
+        if isinstance(end, ast.Name)
+        and any(isinstance(e, ast.Name) and e.id == end.id for e in _slice_ends(loop, index))
+    }
 
 
 def _step_slices(loop: ast.AST, index: str, step: int) -> list[ast.expr]:
     """The literals ``step`` in the slices ``x[index:index + step]`` inside ``loop``."""
-    found = []
-    for node in ast.walk(loop):
-        if not (isinstance(node, ast.Slice) and isinstance(node.lower, ast.Name) and node.lower.id == index):
-            continue
-        upper = node.upper
-        if isinstance(upper, ast.BinOp) and isinstance(upper.op, ast.Add):
-            for side in (upper.left, upper.right):
-                if int_literal(side) == step:
-                    found.append(side)
-    return found
+    return [e for e in _slice_ends(loop, index) if int_literal(e) == step]
 
 
 def step_literals(source: str, step: int) -> list[ast.expr]:
@@ -233,16 +218,11 @@ def step_literals(source: str, step: int) -> list[ast.expr]:
     if tree is None:
         return []
     out: list[ast.expr] = []
-    for loop in ast.walk(tree):
-        if not (isinstance(loop, (ast.For, ast.AsyncFor)) and isinstance(loop.target, ast.Name)):
-            continue
-        it = loop.iter
-        ranged = isinstance(it, ast.Call) and dotted_name(it.func) == "range" and len(it.args) == 3
-        if ranged and int_literal(it.args[2]) == step:
-            slices = _step_slices(loop, loop.target.id, step)
-            if slices:
-                sizes = [_leading_size(n) for n in ast.walk(loop) if isinstance(n, ast.Call)]
-                out += [it.args[2], *slices, *(n for n in sizes if n is not None and int_literal(n) == step)]
+    for loop, index, end in _range_loops(tree):
+        slices = _step_slices(loop, index, step) if int_literal(end) == step else []
+        if slices:
+            sizes = [_leading_size(n) for n in ast.walk(loop) if isinstance(n, ast.Call)]
+            out += [end, *slices, *(n for n in sizes if n is not None and int_literal(n) == step)]
     return out
 
 
