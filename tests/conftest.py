@@ -76,6 +76,35 @@ def shell_as_started(shell):
     return shell
 
 
+# The quickstart's model and training function, smaller (its trials take seconds, not half a minute).
+SMALL_QUICKSTART = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+VOCAB, SEQ = 300, 16
+
+def make_model():
+    layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
+    return nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 1), nn.Linear(32, VOCAB))
+
+def train(model, batch_size, steps=2):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        x = torch.randint(0, VOCAB, (batch_size, SEQ))
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return loss.item()
+"""
+
+
+@pytest.fixture(scope="session")
+def small_quickstart() -> str:
+    """The source of a setup cell like the quickstart's, smaller: ``make_model()`` and ``train()``."""
+    return SMALL_QUICKSTART
+
+
 @pytest.fixture
 def run_cell(shell):
     """Run a cell in the shell; return (ExecutionResult, captured stdout+stderr)."""

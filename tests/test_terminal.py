@@ -14,31 +14,11 @@ import pytest
 pexpect = pytest.importorskip("pexpect")
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUP = """
-import torch
-from torch import nn
-torch.manual_seed(0)
-VOCAB, SEQ = 300, 16
-
-def make_model():
-    layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
-    return nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 1), nn.Linear(32, VOCAB))
-
-def train(model, batch_size, steps=2):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        x = torch.randint(0, VOCAB, (batch_size, SEQ))
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return loss.item()
-"""
 PROMPT = r"In \[\d+\]: "
 
 
-def test_a_fix_from_the_terminal(tmp_path):
-    (tmp_path / "setup.py").write_text(SETUP)
+def test_a_fix_from_the_terminal(tmp_path, small_quickstart):
+    (tmp_path / "setup.py").write_text(small_quickstart)
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),

@@ -15,27 +15,6 @@ import oommagic
 from oommagic.magics import chosen_fix
 from oommagic.view.text import render_text, short_diff
 
-# The quickstart's model and training function, smaller (its trials take seconds, not half a minute).
-SETUP = """
-import torch
-from torch import nn
-torch.manual_seed(0)
-VOCAB, SEQ = 300, 16
-
-def make_model():
-    layer = nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
-    return nn.Sequential(nn.Embedding(VOCAB, 32), nn.TransformerEncoder(layer, 1), nn.Linear(32, VOCAB))
-
-def train(model, batch_size, steps=2):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for _ in range(steps):
-        x = torch.randint(0, VOCAB, (batch_size, SEQ))
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return loss.item()
-"""
 FITS = "%%gpumem --device cpu --quiet -o fits\nmodel = make_model()\nloss = train(model, batch_size=8)"
 FAILS = """%%gpumem --device cpu --text --limit $LIMIT
 batch_size = 64
@@ -49,10 +28,10 @@ def screen_lines(text: str, width: int = 100) -> int:
 
 
 @pytest.fixture(scope="module")
-def failed(shell):
+def failed(shell, small_quickstart):
     from IPython.utils.capture import capture_output
 
-    shell.run_cell(SETUP)
+    shell.run_cell(small_quickstart)
     shell.run_cell(FITS)
     shell.user_ns["LIMIT"] = f"{2 * shell.user_ns['fits'].peak_reserved // 2**20 + 1}MiB"
     with capture_output() as cap:
