@@ -45,6 +45,7 @@ from .holdings import (
     Reader,
     Storages,
     checkpointing_enabled,
+    has_graph,
     held_by,
     instance_dict,
     model_infos,
@@ -289,7 +290,7 @@ def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept
         for t in tensors:
             with contextlib.suppress(Exception):
                 tensor_storages(t, device, storages)
-        graphs = sum(1 for t in tensors if t.grad_fn is not None)
+        graphs = sum(1 for t in tensors if has_graph(t))
         found.append(Kept(holder, len(tensors), sum(storages.values()), graphs, tensors[0].dim()))
     return tuple(found)
 
