@@ -785,6 +785,12 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
         if module is not None and not isinstance(module, tuples):
             modules.add(dotted)
     expr = cell.rows_expression(source, line, frozenset(modules))
+    inlined = cell.inlined_product(source, line) if expr is None or _bare(expr) else None
+    if inlined is not None:
+        # The failing line binds a whole product that one later expression reduces row by row: that
+        # expression, with the product written into it, runs on chunks (the rows call reads it there).
+        source, _, read_line = inlined
+        expr = cell.rows_expression(source, read_line, frozenset(modules))
     if expr is None:
         return None
     found = cell.row_wise(expr, frozenset(modules))
@@ -794,13 +800,24 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
         return None
     if found.module is None and value.requires_grad:
         return None  # each chunk's graph would stay with the joined output
-    bare = isinstance(expr, ast.BinOp) or (
-        isinstance(expr, ast.Call) and cell.dotted_name(expr.func).rsplit(".", 1)[-1] in cell.ROW_PRODUCTS
-    )
-    if found.module is None and bare:
+    if found.module is None and _bare(expr):
         return None  # a product kept whole: the joined chunks are as large as it
     text = cell.SourceText(source)
-    return RowsCall(found.module or "", found.spine.id, int(value.shape[0]), expr.lineno, text.segment(expr))
+    return RowsCall(
+        found.module or "",
+        found.spine.id,
+        int(value.shape[0]),
+        line if inlined is not None else expr.lineno,
+        text.segment(expr),
+        inlined[1] if inlined is not None else "",
+    )
+
+
+def _bare(expr: ast.expr) -> bool:
+    """Whether ``expr`` is a product and nothing after it (``X @ W``, ``torch.cdist(Q, K)``)."""
+    return isinstance(expr, ast.BinOp) or (
+        isinstance(expr, ast.Call) and cell.dotted_name(expr.func).rsplit(".", 1)[-1] in cell.ROW_PRODUCTS
+    )
 
 
 def default_batch(source: str, namespace: Mapping) -> BatchGuess | None:

@@ -229,6 +229,9 @@ class RowsCall:
     rows: int
     line: int
     expr: str = ""
+    # A whole product bound to a name the expression reads once (``dist = torch.cdist(Q, K)``), written
+    # into it by the rewrite (``source.inlined_product``); "" where the expression is on the failing line.
+    inlined: str = ""
 
     @property
     def expression(self) -> str:

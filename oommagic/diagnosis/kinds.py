@@ -42,7 +42,7 @@ from .rewrite import (
     split_rows_source,
     truncate_source,
 )
-from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal
+from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal, inlined_product
 
 # What a fix changes beyond memory, the plan's first order among fixes that fit.
 SAME, NUMERICS, COMPUTED = 0, 1, 2
@@ -129,6 +129,9 @@ def _offload(source: str, r: Remedy, helpers: Helpers) -> str:
 def _split_rows(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
     expr = p.get("expr") or f"{p['func']}({p['arg']})"
+    inlined = inlined_product(source, name=p["inlined"]) if p.get("inlined") else None
+    if inlined is not None:
+        source = inlined[0]
     return split_rows_source(source, expr, p["arg"], p["chunk"], p.get("func", "")) or source
 
 

@@ -46,6 +46,7 @@ from .source import (
     calls_with_keyword,
     checkpoints,
     eval_batch_literal,
+    inlined_product,
     kept_sites,
     last_logits_calls,
     loop_batches,
@@ -686,7 +687,11 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
     """The expression on the failing line computed on ``chunk`` rows of its input at a time, the results
     joined; the saving is the share of what grows with the rows (the activations, or the one request
     where that was larger than the card) that the other chunks took."""
-    new_source = split_rows_source(ctx.source, call.expression, call.arg, chunk, call.func)
+    source = ctx.source
+    inlined = inlined_product(source, name=call.inlined) if call.inlined else None
+    if inlined is not None:
+        source = inlined[0]
+    new_source = split_rows_source(source, call.expression, call.arg, chunk, call.func)
     grows = max(fig.activations or 0, fig.requested or 0) or None
     saving = grows - grows * chunk // call.rows if grows else None
     what = call.func if call.func and calls_only(call.expression, call.func) else f"`{call.expression}`"
@@ -705,7 +710,14 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
         fig,
         "split_rows",
         title,
-        why + ", and the results are joined with `torch.cat`. Same results, a little slower.",
+        why
+        + ", and the results are joined with `torch.cat`. Same results, a little slower."
+        + (
+            f" `{call.inlined}` is not kept: each chunk's part of it is reduced at once (whole, it is as "
+            "large as the card could not hold)."
+            if call.inlined
+            else ""
+        ),
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else "",
         automatic=new_source is not None,
@@ -715,6 +727,7 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
             "rows": call.rows,
             "chunk": chunk,
             "expr": call.expression,
+            "inlined": call.inlined,
         },
         new_source=new_source,
     )

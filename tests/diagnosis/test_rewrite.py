@@ -636,3 +636,38 @@ def test_calls_of_plain_modules_go_through_torchs_checkpoint_where_gradients_are
         "z = torch.utils.checkpoint.checkpoint(tower, x.to(device), mask=m, use_reentrant=False)\n"
         "with torch.no_grad():\n    e = tower(y)\n"
     )
+
+
+def test_a_whole_product_read_once_by_a_row_wise_reduction_is_written_into_it():
+    from oommagic.diagnosis.source import inlined_product
+
+    cell = "dist = torch.cdist(Q, K)\nnearest = dist.topk(5, largest=False).indices\nprint(nearest.shape)\n"
+    assert inlined_product(cell, 1) == (
+        "nearest = (torch.cdist(Q, K)).topk(5, largest=False).indices\nprint(nearest.shape)\n",
+        "dist",
+        1,
+    )
+    # Inside a loop, by name (as the rewrite finds it again), the product a matrix product.
+    loop = "for q in batches:\n    sims = q @ corpus.T\n    best.append(sims.argmax(dim=1))\n"
+    assert inlined_product(loop, name="sims") == (
+        "for q in batches:\n    best.append((q @ corpus.T).argmax(dim=1))\n",
+        "sims",
+        2,
+    )
+    # Read twice, bound again, read by nothing, or no product: the binding stays.
+    assert inlined_product("d = torch.cdist(Q, K)\na = d.argmin(1)\nb = d.argmax(1)\n", 1) is None
+    assert inlined_product("d = torch.cdist(Q, K)\na = d.argmin(1)\nd = 0\n", 1) is None
+    assert inlined_product("d = torch.cdist(Q, K)\nprint(1)\n", 1) is None
+    assert inlined_product("d = Q.sum(dim=1)\na = d.argmin(0)\n", 1) is None
+
+
+def test_a_reduction_whose_dim_defaults_to_the_last_keeps_rows_apart():
+    from oommagic.diagnosis.source import rows_expression
+
+    line = "top = (a @ b).topk(3).indices"
+    node = rows_expression(line, 1)
+    assert ast.get_source_segment(line, node) == "(a @ b).topk(3).indices"
+    line = "order = (a @ b).argsort()"
+    assert ast.get_source_segment(line, rows_expression(line, 1)) == "(a @ b).argsort()"
+    line = "m = (a @ b).argmax()"
+    assert ast.get_source_segment(line, rows_expression(line, 1)) == "a @ b", "argmax of everything"

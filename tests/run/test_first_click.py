@@ -923,3 +923,22 @@ def test_plain_modules_the_cell_calls_get_checkpointed_calls_measured(shell, run
     )
     fitted = session_for(shell).retry(failed, entry.fixes)
     assert fitted.outcome == "ok", fitted.headline()
+
+
+def test_a_similarity_matrix_bound_to_a_name_then_reduced_runs_on_chunks_of_queries_and_fits(shell, run_cell):
+    # A retrieval cell in two statements: the 3,000 × 12,000 similarities (137 MiB) pass a 96 MiB card;
+    # the top 4 of each row are what the cell keeps.
+    run_cell(
+        "torch.manual_seed(0)\ncorpus = torch.nn.functional.normalize(torch.randn(12000, 48), dim=1)\n"
+        "questions = torch.nn.functional.normalize(torch.randn(3000, 48), dim=1)"
+    )
+    expected = (shell.user_ns["questions"][:40] @ shell.user_ns["corpus"].T).topk(4).indices
+    cell = "scores = questions @ corpus.T\nhits = scores.topk(4).indices\nprint(hits.shape)\n"
+    failed, fix, fitted = first_click(96, cell, shell, run_cell)
+    assert failed.context.rows_call is not None and failed.context.rows_call.inlined == "scores"
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "scores =" not in fitted.source and "for rows in questions.split(" in fitted.source
+    assert "`scores` is not kept" in fix.fixes[0].explanation
+    assert torch.equal(shell.user_ns["hits"][:40], expected), "the same hits"
+    assert tuple(shell.user_ns["hits"].shape) == (3000, 4)
