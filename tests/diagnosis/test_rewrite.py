@@ -671,3 +671,76 @@ def test_a_reduction_whose_dim_defaults_to_the_last_keeps_rows_apart():
     assert ast.get_source_segment(line, rows_expression(line, 1)) == "(a @ b).argsort()"
     line = "m = (a @ b).argmax()"
     assert ast.get_source_segment(line, rows_expression(line, 1)) == "a @ b", "argmax of everything"
+
+
+def _work_of(cell: str, loader: list) -> dict:
+    """The optimizer steps and the rows a training cell's forward passes saw, run on stand-ins."""
+    counted = {"steps": 0, "rows": 0}
+
+    class Opt:
+        def zero_grad(self):
+            pass
+
+        def step(self):
+            counted["steps"] += 1
+
+    class Loss:
+        def __truediv__(self, _):
+            return self
+
+        def backward(self):
+            pass
+
+    def net(rows):
+        counted["rows"] += len(rows)
+        return Loss()
+
+    exec(cell, {"loader": loader, "net": net, "opt": Opt()})
+    return counted
+
+
+def test_a_loop_that_stops_on_its_count_stops_after_as_many_whole_steps():
+    from oommagic.diagnosis.rewrite import accumulate_loops
+
+    loop = (
+        "for i, (x, y) in enumerate(loader):\n"
+        "    if i >= 5:\n"
+        "        break\n"
+        "    loss = crit(net(x), y)\n"
+        "    opt.zero_grad()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    if i + 1 == max_steps:\n"
+        "        break\n"
+    )
+    assert accumulate_loops(loop, 4) == (
+        "micro_step = 0\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    if i % 4 == 0 and (i // 4 >= 5):\n"
+        "        break\n"
+        "    loss = crit(net(x), y)\n"
+        "    if micro_step % 4 == 0:\n"
+        "        opt.zero_grad()\n"
+        "    (loss / 4).backward()\n"
+        "    micro_step += 1\n"
+        "    if micro_step % 4 == 0:\n"
+        "        opt.step()\n"
+        "    if i % 4 == 3 and (i // 4 + 1 == max_steps):\n"
+        "        break\n"
+    )
+    # Run on batches of 12 rows, and of 12 / k rows with k micro-batches a step: the same optimizer steps
+    # and rows, whether the stop comes before the step or after it.
+    body = "    loss = net(x)\n    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
+    for stop, before, steps in (
+        ("i == 2", True, 2),
+        ("i + 1 == 3", False, 3),
+        ("i >= 3", True, 3),
+        ("i > 1", False, 3),
+    ):
+        check = f"    if {stop}:\n        break\n"
+        cell = "for i, x in enumerate(loader):\n" + (check + body if before else body + check)
+        for k in (1, 2, 3):
+            written = accumulate_loops(cell, k) if k > 1 else cell
+            assert _work_of(written, [list(range(12 // k))] * 40) == {"steps": steps, "rows": 12 * steps}, (
+                written
+            )

@@ -942,3 +942,41 @@ def test_a_similarity_matrix_bound_to_a_name_then_reduced_runs_on_chunks_of_quer
     assert "`scores` is not kept" in fix.fixes[0].explanation
     assert torch.equal(shell.user_ns["hits"][:40], expected), "the same hits"
     assert tuple(shell.user_ns["hits"].shape) == (3000, 4)
+
+
+def test_a_loader_loop_that_stops_on_its_count_keeps_its_steps_and_samples_when_accumulating(shell, run_cell):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    shell.run_cell(
+        "torch.manual_seed(0)\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "clf = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 4))\n"
+        "adam = torch.optim.Adam(clf.parameters())\n"
+        "feats, tags = torch.randn(2048, 256), torch.randint(0, 4, (2048,))"
+    )
+    cell = (
+        "loader = DataLoader(TensorDataset(feats, tags), batch_size=512, shuffle=True)\n"
+        "for it, (xb, yb) in enumerate(loader):\n"
+        "    loss = torch.nn.functional.cross_entropy(clf(xb), yb)\n"
+        "    adam.zero_grad()\n"
+        "    loss.backward()\n"
+        "    adam.step()\n"
+        "    if it == 1:\n"
+        "        break\n"
+    )
+    rows: list[int] = []
+    shell.user_ns["clf"].register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
+    run_cell(f"%%gpumem --limit 8MiB --quiet --no-raise --plan-budget 60\n{cell}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    widget = ReportWidget(failed, session_for(shell))
+    first = widget.fixes[0]
+    assert first.kind == "batch" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
+    steps: list[int] = []
+    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+    rows.clear()
+    try:
+        fitted = widget.click(first.kind)
+    finally:
+        handle.remove()
+    assert fitted.outcome == "ok", fitted.headline()
+    assert len(steps) == 2 and sum(rows) == 1024, (len(steps), rows, fitted.source)
