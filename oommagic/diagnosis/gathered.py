@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .findings import Gathered
-from .holdings import instance_dict
+from .holdings import Storages, instance_dict, tensor_storages
 
 # The containers the loop gathers into: ``EvalLoopContainer``s (transformers >= 4.42) and the host
 # buffers of older releases, predictions first (the shape the finding shows is theirs).
@@ -41,11 +41,9 @@ def trainer_gathered(error: BaseException | None, namespace: Mapping, device: st
         return None
     local = found.f_locals
     tensors = [t for name in _GATHERED for t in _tensors(_held(local.get(name)))]
-    storages: dict[int, int] = {}
+    storages: Storages = {}
     for t in tensors:
-        if t.device == where:
-            st = t.untyped_storage()
-            storages[st.data_ptr()] = st.nbytes()
+        tensor_storages(t, where, storages)
     preds = next((t for t in _tensors(_held(local.get("all_preds") or local.get("preds_host")))), None)
     if not storages or preds is None or preds.dim() < 1:
         return None
