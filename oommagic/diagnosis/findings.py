@@ -198,7 +198,7 @@ class Gathered:
     (None where the loader has no length); ``shape``/``element_size``: the gathered predictions' (the
     first tensor where there are several); ``accumulation``: ``args.eval_accumulation_steps``;
     ``trainer``/``args``: the names the namespace binds to the Trainer and to its arguments (None where it
-    binds none: the cell made them)."""
+    binds none: the cell made them); ``labels``: the labels are gathered too."""
 
     method: str
     bytes: int
@@ -211,6 +211,7 @@ class Gathered:
     accumulation: int | None = None
     trainer: str | None = None
     args: str | None = None
+    labels: bool = True  # the labels are gathered beside the predictions
 
     @property
     def per_step(self) -> int:

@@ -67,6 +67,7 @@ def trainer_gathered(error: BaseException | None, namespace: Mapping, device: st
         accumulation=accumulation if type(accumulation) is int else None,
         trainer=_bound(namespace, trainer),
         args=_bound(namespace, args),
+        labels=any(_tensors(_held(local.get(name))) for name in ("all_labels", "labels_host")),
     )
 
 

@@ -757,15 +757,18 @@ def _gathered(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> 
         if g.accumulation
         else "until the evaluation ends (`eval_accumulation_steps` is not set)"
     )
+    what = "predictions and labels" if g.labels else "predictions"
     evidence = (
-        f"{call} keeps every batch's predictions and labels on the device {setting}: at the failure they "
+        f"{call} keeps every batch's {what} on the device {setting}: at the failure they "
         f"held {fmt(g.bytes)} after {g.steps} batch{'es' if g.steps != 1 else ''}, predictions of "
         f"{g.shape_words()}."
     )
     whole = g.whole
     if whole and g.total_rows and g.total_rows > g.rows:
         shape = g.shape_words(g.total_rows)
-        evidence += f" The whole evaluation gathers about {fmt(whole)} ({shape} and the labels)."
+        evidence += (
+            f" The whole evaluation gathers about {fmt(whole)} ({shape}{' and the labels' * g.labels})."
+        )
     evidence += (
         " A smaller evaluation batch does not shrink them: they grow with the number of rows evaluated, not "
         "with the batch."

@@ -62,7 +62,7 @@ from transformers import BertConfig, BertForMaskedLM, Trainer, TrainingArguments
 torch.manual_seed(0)
 mlm = BertForMaskedLM(BertConfig(vocab_size=1500, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  intermediate_size=64, max_position_embeddings=64))
-sentences = torch.randint(0, 1500, (32, 24))
+sentences = torch.randint(0, 1500, (24, 24))
 held_out = [{"input_ids": s, "labels": s} for s in sentences]
 
 
