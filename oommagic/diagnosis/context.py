@@ -31,6 +31,7 @@ from .findings import (
     DiagnosisContext,
     EvalLoader,
     Frame,
+    Gathered,
     Kept,
     Leftover,
     Loading,
@@ -39,6 +40,7 @@ from .findings import (
     Pin,
     RowsCall,
 )
+from .gathered import trainer_gathered
 from .holdings import (
     IPYTHON_NAME,
     SKIPPED_TYPES,
@@ -101,6 +103,7 @@ class NamespaceScan:
     transformers_version: str | None = None
     computation: Computation | None = None
     eval_loader: EvalLoader | None = None
+    gathered: Gathered | None = None
     kv_backends: tuple[str, ...] | None = None
     batch_shape: tuple[str, int, int] | None = None
     rows_call: RowsCall | None = None
@@ -159,6 +162,7 @@ def scan_namespace(
             transformers_version=_version("transformers"),
             computation=_quietly(read_computation, error),
             eval_loader=_quietly(lightning_loader, error, namespace, source),
+            gathered=_quietly(trainer_gathered, error, namespace, device),
             kv_backends=_quietly(quantized_cache_backends) if generation else None,
             batch_shape=_quietly(batch_shape, source, [*scopes, namespace]),
             names=frozenset(k for k in namespace if isinstance(k, str)),
@@ -470,6 +474,7 @@ def make_context(
         evaluating=evaluating,
         eval_batch=_eval_batch(source, line, scan.eval_loader) if evaluating else None,
         eval_loader=scan.eval_loader if evaluating else None,
+        gathered=scan.gathered,
         kv_backends=scan.kv_backends,
         batch_shape=scan.batch_shape,
         rows_call=scan.rows_call,

@@ -29,6 +29,7 @@ from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_sour
 from .rewrite import (
     checkpoint_calls_source,
     default_dtype_source,
+    eval_accumulation_source,
     factored_optimizer_source,
     keep_last_logits_source,
     keep_numbers_source,
@@ -195,6 +196,12 @@ KINDS: dict[str, FixKind] = {
         ),
         FixKind("no_grad", SAME, rewrite=_no_grad),
         FixKind("eval_batch", SAME, rewrite=_eval_batch),
+        # Every prediction kept, moved to the host every few batches: the same results.
+        FixKind(
+            "eval_accumulation",
+            SAME,
+            rewrite=lambda s, r, h: eval_accumulation_source(s, r.params["steps"], r.params["target"]) or s,
+        ),
         FixKind(
             "split_generate",
             SAME,

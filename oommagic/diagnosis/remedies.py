@@ -12,13 +12,14 @@ from dataclasses import asdict
 from typing import Any
 
 from ..sizes import format_bytes as fmt
-from .findings import DiagnosisContext, EvalLoader, Figures, Remedy, RowsCall
+from .findings import DiagnosisContext, EvalLoader, Figures, Gathered, Remedy, RowsCall
 from .rewrite import (
     accumulate_loops,
     accumulates,
     changed_lines,
     checkpoint_calls_source,
     default_dtype_source,
+    eval_accumulation_source,
     factored_optimizer_source,
     fresh_name,
     fresh_words,
@@ -41,6 +42,8 @@ from .rewrite import (
 from .source import (
     BatchGuess,
     EvalBatch,
+    arguments_calls,
+    assigned_names,
     called_names,
     calls_only,
     calls_with_keyword,
@@ -780,6 +783,58 @@ def factored_optimizer(ctx: DiagnosisContext, fig: Figures, made: str, moments: 
         code=changed_lines(ctx.source, new_source) if new_source else "",
         automatic=new_source is not None,
         params={"from": made},
+        new_source=new_source,
+    )
+
+
+def accumulation_target(source: str, gathered: Gathered) -> str | None:
+    """Where a Trainer's ``eval_accumulation_steps`` is written so that the run reads it: on the Trainer an
+    earlier cell made (``trainer.args``), else into the cell's ``TrainingArguments(...)`` where the cell makes
+    its Trainer (``"call"``; a setting on the object the cell makes anew would be lost), else on the
+    arguments an earlier cell made (``args``). None where none of them is there."""
+    made = assigned_names(source)
+    if gathered.trainer is not None and gathered.trainer not in made:
+        return f"{gathered.trainer}.args"
+    if arguments_calls(source):
+        return "call"
+    if gathered.args is not None and gathered.args not in made:
+        return gathered.args
+    return None
+
+
+def eval_accumulation(
+    ctx: DiagnosisContext, fig: Figures, gathered: Gathered, steps: int, saving: int | None
+) -> Remedy:
+    """A Trainer's evaluation with ``eval_accumulation_steps=steps``: the gathered predictions go to the
+    host every ``steps`` batches, so the device holds at most that many batches of them. Every prediction
+    is kept."""
+    target = accumulation_target(ctx.source, gathered)
+    new_source = eval_accumulation_source(ctx.source, steps, target) if target is not None else None
+    where = (
+        "in the cell's TrainingArguments"
+        if target == "call"
+        else f"on {target}"
+        if target is not None
+        else "in the Trainer's TrainingArguments"
+    )
+    whole = gathered.whole
+    host = f" ({fmt(whole)} for the whole evaluation)" if whole else ""
+    return _made(
+        fig,
+        "eval_accumulation",
+        f"eval_accumulation_steps={steps}: predictions to the host "
+        + ("after every batch" if steps == 1 else f"every {steps} batches"),
+        f"The Trainer keeps every batch's predictions and labels on the device until the evaluation ends; "
+        f"with `eval_accumulation_steps={steps}` ({where}) it moves them to the host every {steps} batches, "
+        f"so the device holds at most {steps} batches of them. Every prediction is kept: the metrics and "
+        f"the returned predictions are the same; host memory holds them instead{host}, and each move waits "
+        "for the device.",
+        saving,
+        code=changed_lines(ctx.source, new_source)
+        if new_source
+        else f"TrainingArguments(..., eval_accumulation_steps={steps})",
+        automatic=new_source is not None,
+        params={"steps": steps, "target": target},
         new_source=new_source,
     )
 

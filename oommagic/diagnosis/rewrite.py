@@ -14,10 +14,12 @@ from collections.abc import Iterable
 
 from .source import (
     ACCUMULATION_NAMES,
+    TRAINING_ARGUMENTS,
     BatchGuess,
     Binding,
     KeptSite,
     SourceText,
+    arguments_calls,
     binding_sites,
     call_matches,
     contains,
@@ -35,7 +37,7 @@ from .source import (
 )
 
 # TRL's configs subclass TrainingArguments and take the same keywords.
-_TRAINING_ARGS = re.compile(r"(\w*TrainingArguments|SFTConfig|DPOConfig|ORPOConfig|KTOConfig|GRPOConfig)")
+_TRAINING_ARGS = TRAINING_ARGUMENTS
 
 
 def rewrite_batch(
@@ -230,6 +232,22 @@ def keep_last_logits_source(source: str, calls: tuple[str, ...], keyword: str) -
     for func in calls:
         new = set_call_keyword(new, func, keyword, 1) or new
     return new if new != source else None
+
+
+def eval_accumulation_source(source: str, steps: int, target: str) -> str | None:
+    """The cell with a Trainer's ``eval_accumulation_steps`` set to ``steps``: ``target`` ``"call"`` writes
+    the keyword into every Trainer-arguments call of the cell (``TrainingArguments(...)``, where the cell
+    makes its Trainer); a dotted name (``trainer.args``, ``args``: settings made in an earlier cell) gets a
+    line at the top of the cell. None where nothing changes."""
+    if target == "call":
+        new = source
+        for func in arguments_calls(source):
+            new = set_call_keyword(new, func, "eval_accumulation_steps", steps) or new
+        return new if new != source else None
+    note = "# oommagic: predictions to the host " + (
+        "after every batch" if steps == 1 else f"every {steps} batches"
+    )
+    return _checked(f"{target}.eval_accumulation_steps = {steps}  {note}\n{source}")
 
 
 def insert_after_assignment(source: str, name: str, statement: str) -> str | None:

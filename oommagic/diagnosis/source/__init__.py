@@ -24,7 +24,10 @@ from .batch import (
     tokenizer_calls,
 )
 from .evaluation import (
+    TRAINING_ARGUMENTS,
     EvalBatch,
+    arguments_calls,
+    assigned_names,
     disables_grad,
     eval_batch,
     eval_batch_literal,
@@ -103,6 +106,7 @@ __all__ = [
     "IDENTIFIER",
     "MODEL_INPUTS",
     "ROW_PRODUCTS",
+    "TRAINING_ARGUMENTS",
     "BatchGuess",
     "Binding",
     "EvalBatch",
@@ -114,7 +118,9 @@ __all__ = [
     "WholeStep",
     "accumulation_name",
     "adam_constructions",
+    "arguments_calls",
     "assigned_calls",
+    "assigned_names",
     "autocasts",
     "batch_expressions",
     "binding_sites",
