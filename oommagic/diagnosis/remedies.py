@@ -32,6 +32,7 @@ from .rewrite import (
     quantized_cache_source,
     rebuild_loader,
     rewrite_batch,
+    scale_accumulation,
     set_call_keyword,
     set_literal,
     skip_long_source,
@@ -432,6 +433,20 @@ def batch_source(
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
+    if guess.where == "loader":
+        # A loader an earlier cell made: the cell re-batches a copy of it first, so that the notebook says
+        # what the kernel runs (and a second run of the cell does the same); accumulation as for the rest.
+        if acc > 1 and accumulates(source):
+            body = scale_accumulation(source, acc)
+            keeps = body is not None
+        else:
+            body, keeps = _accumulated(source, helpers, source, acc, taken)
+        loader = guess.path[0]
+        head = (
+            f"import oommagic  # {loader}: the same data in batches of {new} (made with {guess.value})\n"
+            f"{loader} = oommagic.rebatched({loader}, {new})\n"
+        )
+        return head + (body or source), keeps
     written = guess.where in WRITTEN
     taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
     rewritten = rewrite_batch(source, guess, new, acc, taken) if written else source
@@ -444,7 +459,17 @@ def batch_source(
         return None, False
     if acc <= 1 or guess.where == "rows":
         return rewritten, True
-    if accumulates(source):
+    return _accumulated(source, helpers, rewritten, acc, taken)
+
+
+def _accumulated(
+    source: str, helpers: tuple[tuple[str, str], ...], rewritten: str, acc: int, taken: Iterable[str]
+) -> tuple[str | None, bool]:
+    """``rewritten`` (the cell with its batch made smaller) with ``acc``-step accumulation written: its own
+    setting where ``source`` has one, else into its training loops or the notebook functions it calls
+    (redefined at the top of the cell); whether the accumulation was written."""
+    taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
+    if acc <= 1 or accumulates(source):
         return rewritten, True
     # One counter for the cell and the functions redefined beside it.
     counter = fresh_name("micro_step", rewritten, taken=taken)

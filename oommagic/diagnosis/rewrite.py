@@ -110,6 +110,16 @@ def accumulates(source: str) -> bool:
     return bool(_accumulation_literals(sites) or _training_args_calls(tree) or _lightning_trainer_calls(tree))
 
 
+def scale_accumulation(source: str, accumulate: int) -> str | None:
+    """The cell with its own accumulation setting multiplied by ``accumulate`` (or one added to its
+    TrainingArguments / Lightning Trainer), its batch left as it is; None where it has none."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    edits = _accumulation_edits(SourceText(source), tree, binding_sites(tree), [], accumulate)
+    return _checked(_apply(source, edits)) if edits else None
+
+
 def _accumulation_literals(sites: list[Binding]) -> list[Binding]:
     literal = [s for s in sites if s.name in ACCUMULATION_NAMES and int_literal(s.value) is not None]
     # `gradient_accumulation_steps=ga` with `ga = 2` above: multiply the 2.

@@ -304,6 +304,8 @@ def test_a_loader_made_in_an_earlier_cell_is_remade_with_a_smaller_batch(shell, 
     assert new.dataset is old.dataset and type(new.sampler) is type(old.sampler) and new.drop_last
     assert new.batch_size * remedy.params["accumulate"] == 128
     assert old.batch_size == 128, "the person's loader itself is left as it was"
+    # The cell says what the kernel runs: it re-batches the loader itself, so running it again does the same.
+    assert f"train_loader = oommagic.rebatched(train_loader, {new.batch_size})" in fitted.source
 
 
 PREPARED_SETUP = (
