@@ -790,7 +790,11 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
         if module is not None and not isinstance(module, tuples):
             modules.add(dotted)
     expr = cell.rows_expression(source, line, frozenset(modules))
-    inlined = cell.inlined_product(source, line) if expr is None or _bare(expr) else None
+    inlined = (
+        cell.inlined_product(source, line, modules=frozenset(modules))
+        if expr is None or _bare(expr)
+        else None
+    )
     if inlined is not None:
         # The failing line binds a whole product that one later expression reduces row by row: that
         # expression, with the product written into it, runs on chunks (the rows call reads it there).
@@ -801,6 +805,8 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
     found = cell.row_wise(expr, frozenset(modules))
     assert found is not None
     value = namespace.get(found.spine.id)
+    if found.splat:
+        value = _rows_of_dict(value)
     if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] < 2:
         return None
     if found.module is None and value.requires_grad:
@@ -816,6 +822,20 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
         text.segment(expr),
         inlined[1] if inlined is not None else "",
     )
+
+
+def _rows_of_dict(value: Any) -> Any:
+    """The first tensor of a dict of tensors with as many rows each (a tokenizer's output), read through
+    ``dict.values`` (a ``BatchEncoding`` keeps its own dict in ``data``); None for anything else."""
+    import torch
+
+    data = instance_dict(value).get("data") if not isinstance(value, dict) else value
+    if not isinstance(data, dict) or not data:
+        return None
+    tensors = list(dict.values(data))
+    if not all(type(t) is torch.Tensor and t.dim() >= 1 for t in tensors):
+        return None
+    return tensors[0] if len({t.shape[0] for t in tensors}) == 1 else None
 
 
 def _bare(expr: ast.expr) -> bool:

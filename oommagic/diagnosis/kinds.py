@@ -130,7 +130,8 @@ def _offload(source: str, r: Remedy, helpers: Helpers) -> str:
 def _split_rows(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
     expr = p.get("expr") or f"{p['func']}({p['arg']})"
-    inlined = inlined_product(source, name=p["inlined"]) if p.get("inlined") else None
+    modules = frozenset({p.get("func", "")} - {""})
+    inlined = inlined_product(source, name=p["inlined"], modules=modules) if p.get("inlined") else None
     if inlined is not None:
         source = inlined[0]
     return split_rows_source(source, expr, p["arg"], p["chunk"], p.get("func", "")) or source

@@ -716,7 +716,11 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
     joined; the saving is the share of what grows with the rows (the activations, or the one request
     where that was larger than the card) that the other chunks took."""
     source = ctx.source
-    inlined = inlined_product(source, name=call.inlined) if call.inlined else None
+    inlined = (
+        inlined_product(source, name=call.inlined, modules=frozenset({call.func} - {""}))
+        if call.inlined
+        else None
+    )
     if inlined is not None:
         source = inlined[0]
     new_source = split_rows_source(source, call.expression, call.arg, chunk, call.func)

@@ -698,6 +698,14 @@ def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str 
             continue
         start, end = src.span(node)
         at, to = src.span(found.spine)
+        if found.splat:
+            # A dict of tensors splatted into the model: each chunk is the dict of its rows.
+            key, value = fresh_name("key", source), fresh_name("value", source)
+            part = f"{{{key}: {value}[{rows}:{rows} + {chunk}] for {key}, {value} in {arg}.items()}}"
+            per_chunk = source[start:at] + part + source[to:end]
+            starts = f"range(0, len(next(iter({arg}.values()))), {chunk})"
+            edits.append((start, end, f"torch.cat([{per_chunk} for {rows} in {starts}])"))
+            continue
         per_chunk = source[start:at] + rows + source[to:end]
         edits.append((start, end, f"torch.cat([{per_chunk} for {rows} in {arg}.split({chunk})])"))
     if not edits:

@@ -366,7 +366,10 @@ def _state_words(m: ModelInfo) -> str:
 
 def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     growth = _step_growth(ctx.timeline, fig)
-    if ctx.generation or not (fig.training or ctx.batch or growth or ctx.evaluating):
+    # A whole tensor run through a model at once (`bert(**enc)` on every row): its activations grow with
+    # the rows, and chunks of them are the knob.
+    rows = ctx.rows_call is not None and _splits_rows(ctx, fig)
+    if ctx.generation or not (fig.training or ctx.batch or growth or ctx.evaluating or rows):
         return None
     if ctx.evaluating:
         batch, note = _eval_batch_remedy(ctx, fig)

@@ -643,7 +643,7 @@ def test_a_whole_product_read_once_by_a_row_wise_reduction_is_written_into_it():
 
     cell = "dist = torch.cdist(Q, K)\nnearest = dist.topk(5, largest=False).indices\nprint(nearest.shape)\n"
     assert inlined_product(cell, 1) == (
-        "nearest = (torch.cdist(Q, K)).topk(5, largest=False).indices\nprint(nearest.shape)\n",
+        "nearest = torch.cdist(Q, K).topk(5, largest=False).indices\nprint(nearest.shape)\n",
         "dist",
         1,
     )
@@ -744,3 +744,32 @@ def test_a_loop_that_stops_on_its_count_stops_after_as_many_whole_steps():
             assert _work_of(written, [list(range(12 // k))] * 40) == {"steps": steps, "rows": 12 * steps}, (
                 written
             )
+
+
+def test_a_dict_of_tensors_splatted_into_a_model_runs_on_chunks_of_every_value():
+    from oommagic.diagnosis.source import inlined_product
+
+    cell = "with torch.no_grad():\n    out = bert(**enc)\n    vecs = out.last_hidden_state.mean(dim=1)\n"
+    inlined, name, line = inlined_product(cell, 2, modules=frozenset({"bert"}))
+    assert (name, line) == ("out", 2)
+    assert inlined == "with torch.no_grad():\n    vecs = bert(**enc).last_hidden_state.mean(dim=1)\n"
+    new = split_rows_source(inlined, "bert(**enc).last_hidden_state.mean(dim=1)", "enc", 4, "bert")
+    assert new == (
+        "with torch.no_grad():\n    vecs = torch.cat([bert(**{key: value[rows:rows + 4] for key, value in "
+        "enc.items()}).last_hidden_state.mean(dim=1) "
+        "for rows in range(0, len(next(iter(enc.values()))), 4)])\n"
+    )
+    # Run on a stand-in model: the same rows, in order, from chunks of every value.
+    import torch
+
+    class Out:
+        def __init__(self, h):
+            self.last_hidden_state = h
+
+    def bert(input_ids, attention_mask):
+        return Out(input_ids[:, :, None].float() * attention_mask[:, :, None])
+
+    enc = {"input_ids": torch.arange(30).reshape(10, 3), "attention_mask": torch.ones(10, 3)}
+    ns = {"torch": torch, "bert": bert, "enc": enc}
+    exec(new, ns)
+    assert torch.equal(ns["vecs"], bert(**enc).last_hidden_state.mean(dim=1))

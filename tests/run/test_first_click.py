@@ -982,3 +982,28 @@ def test_a_loader_loop_that_stops_on_its_count_keeps_its_steps_and_samples_when_
         handle.remove()
     assert fitted.outcome == "ok", fitted.headline()
     assert len(steps) == 2 and sum(rows) == 1024, (len(steps), rows, fitted.source)
+
+
+def test_a_tokenizers_output_splatted_into_an_encoder_at_once_runs_on_chunks_of_rows_and_fits(
+    shell, run_cell
+):
+    # Every sentence through a BERT at once (`bert(**enc)`, the dict a tokenizer returns), its output read
+    # in the next statement: the attention of all 512 rows passes a 150 MiB card.
+    run_cell(
+        "import transformers\nfrom transformers import BertConfig, BertModel\n"
+        "transformers.logging.set_verbosity_error()\ntorch.manual_seed(0)\n"
+        "bert = BertModel(BertConfig(vocab_size=3000, hidden_size=128, num_hidden_layers=2,\n"
+        "                            num_attention_heads=4, intermediate_size=512)).eval()\n"
+        "ids = torch.randint(5, 3000, (512, 256))\n"
+        "enc = {'input_ids': ids, 'attention_mask': torch.ones_like(ids)}"
+    )
+    with torch.no_grad():
+        ns = shell.user_ns
+        expected = ns["bert"](**{k: v[:8] for k, v in ns["enc"].items()}).last_hidden_state.mean(dim=1)
+    cell = "with torch.no_grad():\n    out = bert(**enc)\n    vecs = out.last_hidden_state.mean(dim=1)\n"
+    _, fix, fitted = first_click(150, cell, shell, run_cell)
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "for key, value in enc.items()" in fitted.source and "out =" not in fitted.source
+    assert tuple(shell.user_ns["vecs"].shape) == (512, 128)
+    assert torch.allclose(shell.user_ns["vecs"][:8], expected, atol=1e-5), "the same vectors"

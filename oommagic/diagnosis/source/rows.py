@@ -69,6 +69,8 @@ class RowWise:
     product: bool
     fields: tuple[str, ...] = ()
     module: str | None = None
+    # The name is a dict of tensors splatted into the model (``bert(**enc)``): its every value is cut.
+    splat: bool = False
 
     @property
     def pair(self) -> bool:
@@ -114,7 +116,7 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
     if isinstance(node, ast.Attribute):
         inner = row_wise(node.value, modules)
         read = inner is not None and node.attr in inner.fields
-        return RowWise(inner.spine, inner.product, module=inner.module) if read else None
+        return RowWise(inner.spine, inner.product, module=inner.module, splat=inner.splat) if read else None
     if isinstance(node, ast.Subscript):
         inner = row_wise(node.value, modules)
         at = int_literal(node.slice)
@@ -124,7 +126,7 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
             and at is not None
             and at < (2 if "indices" in inner.fields else 1)
         )
-        return RowWise(inner.spine, inner.product, module=inner.module) if read else None
+        return RowWise(inner.spine, inner.product, module=inner.module, splat=inner.splat) if read else None
     if not isinstance(node, ast.Call):
         return None
     name = dotted_name(node.func)
@@ -132,6 +134,15 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
     if name in modules and len(node.args) == 1 and all(k.arg is not None for k in node.keywords):
         inner = row_wise(node.args[0], modules)
         return RowWise(inner.spine, True, module=name) if inner and not inner.pair else None
+    if (
+        name in modules
+        and not node.args
+        and len(node.keywords) == 1
+        and node.keywords[0].arg is None
+        and isinstance(node.keywords[0].value, ast.Name)
+    ):
+        # A model called on a dict of tensors (a tokenizer's output, `bert(**enc)`): rows of each value.
+        return RowWise(node.keywords[0].value, True, fields=_OUTPUT_FIELDS, module=name, splat=True)
     if name in modules and not node.args and len(node.keywords) == 1 and node.keywords[0].arg in MODEL_INPUTS:
         # A transformers model called on its one input by keyword (`enc(input_ids=ids)`); its output is
         # read through a tensor field (`.last_hidden_state`), which ``_OUTPUT_FIELDS`` lets through.
@@ -154,7 +165,9 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
             dim = _dim_of(node, 1 if last in ("topk", "kthvalue") else 0)
             if dim is not None and dim != 0:
                 fields = ("values", "indices") if last in _PAIRS else ()
-                return RowWise(inner.spine, inner.product, fields=fields, module=inner.module)
+                return RowWise(
+                    inner.spine, inner.product, fields=fields, module=inner.module, splat=inner.splat
+                )
         return None
     if not node.args:
         return None
@@ -193,9 +206,12 @@ def rows_expression(source: str, line: int, modules: frozenset[str] = frozenset(
     return None
 
 
-def inlined_product(source: str, line: int | None = None, name: str = "") -> tuple[str, str, int] | None:
-    """``(source, name, line)``: the cell with a whole product bound to a name and read once
-    (``dist = torch.cdist(Q, K)``, then ``nearest = dist.topk(5, largest=False).indices``) written into
+def inlined_product(
+    source: str, line: int | None = None, name: str = "", modules: frozenset[str] = frozenset()
+) -> tuple[str, str, int] | None:
+    """``(source, name, line)``: the cell with a whole product or a model's output (``modules``) bound to a
+    name and read once (``dist = torch.cdist(Q, K)``, then ``nearest = dist.topk(5, largest=False).indices``;
+    ``out = bert(**enc)``, then ``vecs = out.last_hidden_state.mean(dim=1)``) written into
     the one expression that reads it, the binding gone: the product then runs on chunks of rows with the
     reduction after it, and only the reduced rows are joined (a product kept whole is as large joined as
     it was). The binding is the statement on ``line``, or the one binding ``name``; the name must be read
@@ -214,8 +230,8 @@ def inlined_product(source: str, line: int | None = None, name: str = "") -> tup
             ):
                 continue
             target = stmt.targets[0].id
-            found = row_wise(stmt.value)
-            if found is None or not found.product or found.pair or found.spine is stmt.value:
+            found = row_wise(stmt.value, modules)
+            if found is None or not found.product or found.spine is stmt.value:
                 return None
             reads = [
                 (j, n)
@@ -236,7 +252,8 @@ def inlined_product(source: str, line: int | None = None, name: str = "") -> tup
             start = src.offset(stmt.lineno, 0)
             end = src.offset(stmt.end_lineno, stmt.end_col_offset)
             end += 1 if source[end : end + 1] == "\n" else 0
-            text = source[:at] + f"({product})" + source[to:]
+            atomic = isinstance(stmt.value, ast.Call | ast.Attribute | ast.Name | ast.Subscript)
+            text = source[:at] + (product if atomic else f"({product})") + source[to:]
             read_line = reads[0][1].lineno - (stmt.end_lineno - stmt.lineno + 1)
             return text[:start] + text[end:], target, read_line
     return None
