@@ -66,7 +66,11 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
     if budget_s is None:
         budget_s = default_budget(session, run)
     if budget_s <= 0 or not candidates(run):
-        plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else "no automatic fix")
+        # A distributed cell's fixes are automatic where a relaunch puts them into every rank.
+        none = "no fix a relaunch of the ranks can apply" if run.ranks is not None else "no automatic fix"
+        plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else none)
+        if run.ranks is not None:
+            plan = replace(plan, summary=plan.summary + _unreached(run))
         return replace(plan, unfittable=_unfittable(plan, run)) if budget_s > 0 else plan
     measure = _Measure(session, run, budget_s)
     n = len(candidates(run))
