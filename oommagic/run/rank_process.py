@@ -63,17 +63,33 @@ def rank_recorder(index: int | None = None) -> Iterator[None]:
 class RankTarget:
     """The user's rank function, wrapped so that the child process records itself. Pickled by reference
     to ``fn`` (the user's function must be importable in the child, as ``torch.multiprocessing`` already
-    requires with the spawn start method)."""
+    requires with the spawn start method).
+
+    ``indexed``: ``fn`` takes the rank's index first (what ``torch.multiprocessing.start_processes``
+    passes); otherwise it is the function torch.distributed.elastic's worker calls with the user's own
+    arguments, and the index is ``LOCAL_RANK`` (set by that worker). ``returns``: where a trial's bounds
+    end the rank, it returns as if ``fn`` had (its launcher then sees it succeed); otherwise ``fn`` owes its
+    launcher more than its return (Lightning's worker hands its results over a queue after it), and the
+    rank ends its process once every rank reported."""
 
     def __init__(
-        self, fn: Any, directory: str, limit: str | None, device: str, bounds: str | None = None
+        self,
+        fn: Any,
+        directory: str,
+        limit: str | None,
+        device: str,
+        bounds: str | None = None,
+        indexed: bool = True,
+        returns: bool = True,
     ) -> None:
         self.fn = fn
         self.directory, self.limit, self.device, self.bounds = directory, limit, device, bounds
+        self.indexed, self.returns = indexed, returns
 
-    def __call__(self, index: int, *args: Any) -> Any:
-        with RankRecorder(self.directory, self.limit, self.device, index, self.bounds):
-            return self.fn(index, *args)
+    def __call__(self, *args: Any) -> Any:
+        index = args[0] if self.indexed else int(os.environ.get("LOCAL_RANK", "0"))
+        with RankRecorder(self.directory, self.limit, self.device, index, self.bounds, self.returns):
+            return self.fn(*args)
 
 
 # --- in the rank process ------------------------------------------------------------------------------
@@ -89,9 +105,16 @@ class RankRecorder:
     """
 
     def __init__(
-        self, directory: str, limit: str | None, device: str, index: int, bounds: str | None = None
+        self,
+        directory: str,
+        limit: str | None,
+        device: str,
+        index: int,
+        bounds: str | None = None,
+        returns: bool = True,
     ) -> None:
         self.directory = directory
+        self.returns = returns
         self.limit = limit
         self.device = device
         self.index = index
@@ -143,6 +166,8 @@ class RankRecorder:
             # The trial's own end, at the same point in every rank: the rank returns as if its function
             # had (the launcher sees no failure); a rank out of time is said so.
             self._report("timed_out" if exc.timed_out else "ok", trial_stop=str(exc))
+            if not self.returns:
+                self._end_after_the_others()
             return True
         if isinstance(exc, Exception):
             frames = _traceback_frames(tb)
@@ -192,6 +217,18 @@ class RankRecorder:
                     sys.stderr.flush()
                 os._exit(STOPPED_EXIT)
             return
+
+    def _end_after_the_others(self) -> None:
+        """End this trial's rank once every rank reported (their bounds end them at the same step), or
+        past the trial's deadline: ended first, it would be a failure to its launcher, which would stop
+        the others before they report."""
+        deadline = self.bounds[1] if self.bounds is not None and self.bounds[1] else time.time() + STOP_WAIT
+        while unreported(self.directory) - {self.pid} and time.time() < deadline + PAST_DEADLINE_S:
+            time.sleep(POLL_S)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(STOPPED_EXIT)
 
     def _stop_the_others(self) -> None:
         """Wait for every other rank to report (their watchers stop them), then kill those that did not."""

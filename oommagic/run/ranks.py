@@ -110,8 +110,13 @@ class RankWatch:
 
         def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
             os.makedirs(watch.directory, exist_ok=True)
-            if not isinstance(fn, RankTarget):
-                fn = RankTarget(fn, watch.directory, watch.limit, watch.device, watch.bounds)
+            settings = (watch.directory, watch.limit, watch.device, watch.bounds)
+            if _elastic_worker(fn) and args and not isinstance(args[0], RankTarget):
+                # torch.distributed.elastic's worker (notebook_launcher's) hands the user's function's
+                # return back after it: the recorder goes around the user's function, inside the worker.
+                args = (RankTarget(args[0], *settings, indexed=False), *args[1:])
+            elif not isinstance(fn, RankTarget) and not _elastic_worker(fn):
+                fn = RankTarget(fn, *settings, returns=not _hands_results_over(fn))
             return original(fn, args, nprocs, join, daemon, start_method)
 
         start_processes.__doc__ = original.__doc__
@@ -150,6 +155,19 @@ class RankWatch:
             if still and failed:
                 results[pid] = replace(results[pid], left_running=True)
         return Ranks.of(list(results.values()))
+
+
+def _elastic_worker(fn: Any) -> bool:
+    return getattr(fn, "__module__", "") == "torch.distributed.elastic.multiprocessing.api" and (
+        getattr(fn, "__name__", "") == "_wrap"
+    )
+
+
+def _hands_results_over(fn: Any) -> bool:
+    """Whether ``fn`` is a launcher's worker that passes its results to the parent after the user's
+    function returns (Lightning's ``ddp_notebook``/``ddp_spawn`` worker, a bound method of its launcher)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module.startswith(("lightning", "pytorch_lightning", "lightning_fabric"))
 
 
 def _remove(directory: str) -> None:

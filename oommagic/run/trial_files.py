@@ -48,10 +48,10 @@ def compiler_caches() -> tuple[str, ...]:
 
 def launcher_scratch() -> tuple[str, ...]:
     """What a distributed cell's trial writes that is the launch's, not the user's: the directory its ranks
-    report into (``run.ranks``, removed after each run) and the error files torch's launcher keeps for each
-    rank while it runs."""
+    report into (``run.ranks``, removed after each run), the error files torch's launcher keeps for each
+    rank while it runs and torch.distributed.elastic's log directory (``notebook_launcher``'s)."""
     temp = os.path.abspath(tempfile.gettempdir())
-    return (os.path.join(temp, "oommagic-ranks-"), os.path.join(temp, "pytorch-errorfile-"))
+    return tuple(os.path.join(temp, p) for p in ("oommagic-ranks-", "pytorch-errorfile-", "torchelastic_"))
 
 
 _watching: TrialFiles | None = None
