@@ -82,8 +82,9 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
     )
     session.progress(
         f"%%gpumem: measuring {n} fix{'es' if n != 1 else ''} in at most {budget_s:.0f} s (--plan-budget): "
-        f"each trial re-runs the cell (its prints too){ranks} and puts back what it changed in this kernel "
-        "(tensors, containers, random generators, files); interrupt the kernel to stop."
+        f"each trial re-runs the cell (its prints too){ranks} and puts back what it changed"
+        f"{' in this kernel' if ranks else ''} (tensors, containers, random generators, files); interrupt "
+        "the kernel to stop."
     )
     try:
         with frozen_heap():
