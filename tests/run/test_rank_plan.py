@@ -114,6 +114,50 @@ def test_the_first_fix_fits_on_every_rank_when_pressed(shell, run_cell, trained_
     assert cell_write(fitted.source, fitted.original, ()).body == fix.new_source
 
 
+LIGHTNING = """\
+import torch, pytorch_lightning as pl
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))
+    def training_step(self, batch, index):
+        if self.global_rank == 1 and not hasattr(self, "cache"):
+            self.cache = torch.zeros(4 * 1024 * 1024, dtype=torch.uint8)
+        return self.body(batch).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+"""
+
+
+def test_lightning_ddp_notebook_gets_its_accumulation(shell, run_cell, trained_before):
+    """Lightning's ``ddp_notebook`` forks its ranks and hands their results back over a queue: a trial's
+    rank ends once both reported. The fix writes ``accumulate_grad_batches`` beside the smaller batch."""
+    pytest.importorskip("pytorch_lightning")
+    shell.run_cell(LIGHTNING)
+    run_cell(
+        "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\n"
+        "torch.set_num_threads(1)\n"
+        f"loader = torch.utils.data.DataLoader(torch.randn(4096, 128), batch_size={BATCH})\n"
+        f"trainer = pl.Trainer(accelerator='cpu', devices=2, strategy='ddp_notebook', max_steps={STEPS},\n"
+        "    logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
+        "    enable_model_summary=False)\n"
+        "trainer.fit(Net(), loader)"
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.ranks.out_of_memory.rank == 1
+    first = failed.plan.entries[0]
+    assert first.verdict == FITS and "tightest of 2 ranks: rank 1 (cpu)" in first.line(), first.line()
+    (fix,) = first.fixes
+    assert fix.params["new"] * fix.params["accumulate"] == BATCH and fix.params["new"] < BATCH
+    assert f"accumulate_grad_batches={fix.params['accumulate']}" in fix.new_source
+
+    fitted = ReportWidget(failed, session_for(shell)).click("batch")
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
+    assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
+    assert not any(alive(r.pid) for r in fitted.ranks.results)
+
+
 # --- the verdict of a trial's ranks, with data ---------------------------------------------------------
 
 
