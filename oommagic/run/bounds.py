@@ -85,6 +85,8 @@ def bounded(
     backwards = 0
 
     class Bounded(TorchFunctionMode):
+        oommagic_trial = True  # a forked rank drops the kernel's, which it inherits (``rank_process``)
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             if not counter.running:
                 return func(*args, **(kwargs or {}))

@@ -186,11 +186,17 @@ class RankRecorder:
 
     def _count_steps(self) -> None:
         """Count this rank's optimizer steps; in a trial, stop it at its bounds. A forked rank drops the
-        kernel's trial bounds it inherited (the torch function mode of the thread that forked)."""
-        from torch.overrides import _get_current_function_mode_stack, _pop_mode
+        kernel's trial bounds it inherited (a torch function mode of the thread that forked), and keeps any
+        other mode (``with torch.device(...)`` around the launch)."""
+        from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
 
-        while _get_current_function_mode_stack():
-            _pop_mode()
+        stack = _get_current_function_mode_stack()
+        kept = [m for m in stack if not getattr(m, "oommagic_trial", False)]
+        if len(kept) != len(stack):
+            while _get_current_function_mode_stack():
+                _pop_mode()
+            for mode in kept:
+                _push_mode(mode)
         bounds, deadline = self.bounds if self.bounds is not None else (None, None)
         self._counting = contextlib.ExitStack()
         self._counter = self._counting.enter_context(bounded(bounds, deadline, count=True))
