@@ -94,6 +94,18 @@ widget = ReportWidget(failed, session_for(get_ipython()))
 offered = widget.fixes[0].kind
 fitted = widget.click(offered)
 time.sleep(1)  # NVML's figures settle once the processes are reaped
+def children():
+    # Every rank of the failed run, of each trial and of the pressed run was a child of this kernel.
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            mine.append(int(pid))
+    return mine
 def ranks_of(run):
     return [[r.rank, r.device, r.status, r.steps, r.peak_reserved, r.limit] for r in run.ranks.results]
 print("PLAN " + json.dumps({
@@ -104,6 +116,7 @@ print("PLAN " + json.dumps({
     "offered": offered, "fitted": fitted.outcome, "fitted_ranks": ranks_of(fitted),
     "fitted_source": fitted.source, "seen": seen.tolist(),
     "alive": [r.pid for run in oommagic.history() if run.ranks for r in run.ranks.results if alive(r.pid)],
+    "children": children(),
     "before": before, "after": gpu_used(), "kernel_cuda": torch.cuda.is_initialized(),
 }))
 """
@@ -150,7 +163,7 @@ def assert_fits_on_every_rank(record: dict) -> None:
     assert sum(rows for _, rows in record["seen"]) // STEPS == WORLD * BATCH
     # What "Apply to cell" and `%gpumem --fix 1` write is what was measured and pressed.
     assert record["fitted_source"] == record["new_source"]
-    assert record["alive"] == [], "a rank process is left"
+    assert record["alive"] == [] and record["children"] == [], "a rank process is left"
     assert not record["kernel_cuda"], "the kernel started CUDA"
     for index, used in record["before"].items():
         assert record["after"][index] <= used + 64 * 1024**2, f"GPU {index} holds memory after the plan"

@@ -12,6 +12,7 @@ still sees 512 samples, the global batch 1024.
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -62,6 +63,20 @@ mp.start_processes(work, args=({port}, batch_size, seen), nprocs=2, start_method
 """
 
 
+def children() -> set[int]:
+    """Live child processes of this process: every rank of a run or a trial was one."""
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            mine.append(int(pid))
+    return set(mine)
+
+
 @pytest.fixture
 def trained_before(shell):
     # A notebook that launches ranks has imported what an optimizer step imports (torch._dynamo's
@@ -77,6 +92,7 @@ def trained_before(shell):
 
 
 def test_the_first_fix_fits_on_every_rank_when_pressed(shell, run_cell, trained_before):
+    started_with = children()
     run_cell(
         "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\n"
         + CELL.format(batch=BATCH, steps=STEPS, port=free_port())
@@ -109,6 +125,7 @@ def test_the_first_fix_fits_on_every_rank_when_pressed(shell, run_cell, trained_
     assert [r.steps for r in fitted.ranks.results] == [STEPS, STEPS]
     assert sum(samples for _, samples in seen) // STEPS == WORLD * BATCH
     assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
     # What "Apply to cell" and `%gpumem --fix 1` write is what was measured and pressed.
     assert fitted.source == fix.new_source
     assert cell_write(fitted.source, fitted.original, ()).body == fix.new_source
@@ -133,6 +150,7 @@ def test_lightning_ddp_notebook_gets_its_accumulation(shell, run_cell, trained_b
     """Lightning's ``ddp_notebook`` forks its ranks and hands their results back over a queue: a trial's
     rank ends once both reported. The fix writes ``accumulate_grad_batches`` beside the smaller batch."""
     pytest.importorskip("pytorch_lightning")
+    started_with = children()
     shell.run_cell(LIGHTNING)
     run_cell(
         "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\n"
@@ -156,6 +174,7 @@ def test_lightning_ddp_notebook_gets_its_accumulation(shell, run_cell, trained_b
     assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
     assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
     assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
 
 
 # --- the verdict of a trial's ranks, with data ---------------------------------------------------------
