@@ -28,7 +28,8 @@ from ..diagnosis.plan import (
     ordered,
     with_time_ratios,
 )
-from ..diagnosis.ranks import trial_of_ranks, unreached
+from ..diagnosis.rank_trials import trial_of_ranks
+from ..diagnosis.ranks import unreached
 from ..diagnosis.source import steps_optimizer
 from ..sizes import format_bytes
 from .batch_search import Trial, next_batch

@@ -19,7 +19,8 @@ import pytest
 
 import oommagic
 from oommagic.diagnosis.plan import DOES_NOT_FIT, FITS, NOT_MEASURED
-from oommagic.diagnosis.ranks import RankResult, Ranks, trial_of_ranks
+from oommagic.diagnosis.rank_trials import trial_of_ranks
+from oommagic.diagnosis.ranks import RankResult, Ranks
 from oommagic.diagnosis.write_back import cell_write
 from oommagic.run.ranks import alive
 from oommagic.run.session import session_for
