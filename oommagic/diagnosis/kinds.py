@@ -261,7 +261,9 @@ def reaches_ranks(remedy: Remedy) -> bool:
     """Whether a retry of a distributed cell applies ``remedy`` in every rank (its row's
     ``reaches_ranks``; ``REWRITTEN``: where the remedy rewrites the cell)."""
     row = kind_of(remedy)
-    return row.reaches_ranks == ALWAYS or (row.reaches_ranks == REWRITTEN and remedy.new_source is not None)
+    # A row written as a bool (the column's earlier form) reads as ALWAYS or NEVER.
+    how = {True: ALWAYS, False: NEVER}.get(row.reaches_ranks, row.reaches_ranks)  # type: ignore[call-overload]
+    return how == ALWAYS or (how == REWRITTEN and remedy.new_source is not None)
 
 
 def tier(remedy: Remedy) -> int:
