@@ -103,8 +103,17 @@ def children():
                 fields = fh.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            mine.append(int(pid))
+        if int(fields[1]) != os.getpid() or fields[0] == "Z":
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                command = fh.read().replace(b"\\0", b" ").decode(errors="replace")
+        except OSError:
+            command = ""
+        # multiprocessing's resource tracker: started by the first spawn, it lives as long as the kernel,
+        # with the tool or without it; no rank.
+        if "multiprocessing.resource_tracker" not in command:
+            mine.append([int(pid), command[:120]])
     return mine
 def ranks_of(run):
     return [[r.rank, r.device, r.status, r.steps, r.peak_reserved, r.limit] for r in run.ranks.results]
