@@ -157,6 +157,8 @@ class _Measure:
                 entry = self.entry((remedy,))
                 if remedy.kind == "split_rows":
                     entry = self.smaller_chunks(entry)
+                elif remedy.kind in ("split_generate", "split_calls"):
+                    entry = self.halved_chunks(entry)
             except SnapshotTooLarge:
                 raise  # no trial can run: the whole plan says why
             except Exception as err:  # its setting could not be put in force (an object the cell dropped)
@@ -197,6 +199,21 @@ class _Measure:
             if entry.verdict != DOES_NOT_FIT or entry.note or call is None or chunk < 1 or self.left() <= 0:
                 break
             entry = self.entry((fix.split_rows(ctx, figures(self.run.report, ctx), call, chunk),))
+        return entry
+
+    def halved_chunks(self, entry: PlanEntry) -> PlanEntry:
+        """Prompts in chunks that still ran out (or fitted with less than the margin to spare), tried again
+        on half as many at a time, until a chunk fits or it is one prompt: the first chunk came from the
+        failed run's figures, a lower bound where the run stopped early."""
+        ctx = self.run.context
+        while ctx is not None and _short(entry) and self.left() > 0:
+            chunk = entry.fixes[0].params.get("chunk", 1) // 2
+            if chunk < 1:
+                break
+            halved = self.entry((_rechunked(ctx, figures(self.run.report, ctx), entry.fixes[0], chunk),))
+            if entry.verdict == LIKELY_FITS and halved.verdict != FITS:
+                break  # no better: the likely fit stays, said as such
+            entry = halved
         return entry
 
     def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
@@ -467,6 +484,18 @@ def ended(verdict: str, peak: int | None, note: str = "") -> str:
         return f" {'stopped' if 'time' in note else NOT_MEASURED}{': ' + note if note else ''}"
     bound = "at least " if verdict == DOES_NOT_FIT else ""
     return f" {verdict}" + (f", peak {bound}{format_bytes(peak)}" if peak is not None else "")
+
+
+def _rechunked(ctx: Any, fig: Any, remedy: Remedy, chunk: int) -> Remedy:
+    """``remedy`` (prompts in chunks) made again for ``chunk`` prompts at a time, its saving the share of
+    what grows with the prompts that the other chunks took."""
+    from ..diagnosis import remedies as fix
+
+    batch = remedy.params["batch"]
+    saving = fig.activations * (batch - chunk) // batch if fig.activations else None
+    if remedy.kind == "split_calls":
+        return fix.split_calls(ctx, fig, ctx.batch_call, chunk, saving)
+    return fix.split_generate(ctx, fig, batch, chunk, saving)
 
 
 def _short(entry: PlanEntry) -> bool:
