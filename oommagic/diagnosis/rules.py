@@ -616,7 +616,7 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens
     )
     if ctx.prompt_batch and ctx.prompt_batch >= 2:
-        chunk = ctx.prompt_batch // 2
+        chunk = _first_chunk(ctx.prompt_batch, fig)
         saving = act * (ctx.prompt_batch - chunk) // ctx.prompt_batch if act else None
         remedies.append(fix.split_generate(ctx, fig, ctx.prompt_batch, chunk, saving))
     cache = act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
@@ -687,13 +687,25 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
     return _finding("generation", "Generation memory", evidence, remedies, fig)
 
 
+def _first_chunk(rows: int, fig: Figures) -> int:
+    """The first number of prompts at a time to try: halved from ``rows`` until what grows with them (the
+    activations at the failure, a lower bound) takes at most half of what the budget leaves beside what
+    stays; the plan halves it further until a trial fits."""
+    chunk = max(rows // 2, 1)
+    if fig.activations and fig.budget is not None:
+        room = (fig.budget * (1 - MARGIN) - fig.fixed) / 2
+        while chunk > 1 and fig.activations * chunk / rows > room:
+            chunk //= 2
+    return chunk
+
+
 def _batch_call(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     """A notebook function on the failing line got the whole batch of prompts, and a model's forward got
     them as its batch (a hand-written decoding loop): the function can run on chunks of them."""
     call = ctx.batch_call
     if call is None or fig.training or call.rows < 2:
         return None
-    chunk = call.rows // 2
+    chunk = _first_chunk(call.rows, fig)
     act = fig.activations
     saving = act * (call.rows - chunk) // call.rows if act else None
     evidence = (

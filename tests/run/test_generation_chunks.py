@@ -51,7 +51,7 @@ bart_config = BartConfig(vocab_size=320, d_model=64, encoder_layers=1, decoder_l
                          eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
 translator = BartForConditionalGeneration(bart_config).eval()
 articles = {"input_ids": torch.randint(3, 320, (16, 48))}
-beam_settings = {"num_beams": 4, "num_return_sequences": 2, "max_new_tokens": 20, "min_new_tokens": 20}
+beam_settings = {"num_beams": 4, "num_return_sequences": 2, "max_new_tokens": 8, "min_new_tokens": 8}
 """
 BART_CELL = """\
 with torch.no_grad():
@@ -75,7 +75,7 @@ def test_beam_search_with_settings_splatted_from_an_earlier_cell_runs_the_source
     assert fix.kind == "split_generate" and fix.verdict == "fits", (fix.kind, fix.verdict)
     assert fitted.outcome == "ok", fitted.headline()
     drafts = shell.user_ns["drafts"]
-    assert tuple(drafts.shape) == tuple(whole.shape) == (32, 21)
+    assert tuple(drafts.shape) == tuple(whole.shape) == (32, 9)
     # Every source's two drafts, in the sources' order (beam search is deterministic).
     assert bool((drafts == whole).all())
 
@@ -86,8 +86,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 transformers.logging.set_verbosity_error()
 torch.manual_seed(0)
 writer = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=400, n_positions=256)).eval()
-batch = {"input_ids": torch.randint(3, 400, (24, 40)), "attention_mask": torch.ones(24, 40, dtype=torch.long)}
-sampling = dict(do_sample=True, top_k=20, num_return_sequences=4, max_new_tokens=24, min_new_tokens=24,
+batch = {"input_ids": torch.randint(3, 400, (16, 48)), "attention_mask": torch.ones(16, 48, dtype=torch.long)}
+sampling = dict(do_sample=True, top_k=20, num_return_sequences=4, max_new_tokens=8, min_new_tokens=8,
                 pad_token_id=0)
 """
 SAMPLE_CELL = """\
@@ -96,23 +96,25 @@ with torch.no_grad():
 """
 
 
-def test_sampling_several_sequences_per_prompt_with_a_settings_dict_runs_the_prompts_in_chunks(shell, run_cell):
+def test_sampling_several_sequences_per_prompt_with_a_settings_dict_runs_the_prompts_in_chunks(
+    shell, run_cell
+):
     run_cell(GPT2_SETUP)
-    quarter = SAMPLE_CELL.replace('batch["input_ids"]', 'batch["input_ids"][:6]').replace(
-        'batch["attention_mask"]', 'batch["attention_mask"][:6]'
+    quarter = SAMPLE_CELL.replace('batch["input_ids"]', 'batch["input_ids"][:4]').replace(
+        'batch["attention_mask"]', 'batch["attention_mask"][:4]'
     )
     failed, fix, fitted = failed_then_first_click(shell, run_cell, quarter, SAMPLE_CELL)
     gen = next(f for f in failed.findings if f.key == "generation")
-    assert "max_new_tokens=24" in gen.evidence and "num_return_sequences=4" in gen.evidence, gen.evidence
+    assert "max_new_tokens=8" in gen.evidence and "num_return_sequences=4" in gen.evidence, gen.evidence
     for entry in failed.plan.entries:
         # No trial crashed on a setting written twice ("got multiple values for keyword argument").
         assert "multiple values" not in (entry.note or ""), entry.line()
     assert fix.kind == "split_generate" and fix.verdict == "fits", (fix.kind, fix.verdict)
     assert fitted.outcome == "ok", fitted.headline()
-    assert tuple(shell.user_ns["stories"].shape) == (24 * 4, 40 + 24)
+    assert tuple(shell.user_ns["stories"].shape) == (16 * 4, 48 + 8)
     # The prompts come back in their order, each four times.
     prompts = shell.user_ns["batch"]["input_ids"]
-    assert bool((shell.user_ns["stories"][:, :40] == prompts.repeat_interleave(4, dim=0)).all())
+    assert bool((shell.user_ns["stories"][:, :48] == prompts.repeat_interleave(4, dim=0)).all())
 
 
 DECODE_SETUP = """\
@@ -136,18 +138,20 @@ def decode(model, ids, n_new):
             out_ids = torch.cat([out_ids, step_in], dim=1)
     return out_ids
 """
-DECODE_CELL = "replies = decode(tiny_llama, requests, 24)\n"
+DECODE_CELL = "replies = decode(tiny_llama, requests, 8)\n"
 
 
 def test_a_decoding_loop_in_a_function_of_an_earlier_cell_runs_the_prompts_in_chunks(shell, run_cell):
     run_cell(DECODE_SETUP)
-    whole = shell.ev("decode(tiny_llama, requests, 24)")
+    whole = shell.ev("decode(tiny_llama, requests, 8)")
     failed, fix, fitted = failed_then_first_click(
         shell, run_cell, DECODE_CELL.replace("requests,", "requests[:8],"), DECODE_CELL
     )
+    found = next(f for f in failed.findings if f.key == "prompts")
+    assert "calls decode() with all 32 rows of its `ids`" in found.evidence, found.evidence
     assert fix.kind == "split_calls" and fix.verdict == "fits", (fix.kind, fix.verdict)
     assert "decode" in fix.title, fix.title
     assert fitted.outcome == "ok", fitted.headline()
     replies = shell.user_ns["replies"]
-    assert tuple(replies.shape) == tuple(whole.shape) == (32, 64 + 24)
+    assert tuple(replies.shape) == tuple(whole.shape) == (32, 64 + 8)
     assert bool((replies == whole).all())
