@@ -20,6 +20,9 @@ from .holdings import instance_dict
 
 # The generate() settings a plan reads and changes.
 SETTINGS = ("num_beams", "num_return_sequences", "max_new_tokens", "do_sample")
+# Names a function that decodes prompts reads: it keeps a cache or generates. A function that reduces over
+# the rows (a mean, a loss) is no batch of prompts to run in chunks.
+DECODES = frozenset({"past_key_values", "use_cache", "generate", "past", "cache_position"})
 
 
 def _frames(error: BaseException | None) -> list[tuple[types.FrameType, int]]:
@@ -103,7 +106,7 @@ def batch_call(error: BaseException | None, namespace: Mapping, source: str) -> 
     if inner is None or _forward_rows(frames[at + 1 : inner]) is not None:
         return None
     called, _ = frames[inner]
-    if called.f_code.co_name.startswith("<"):
+    if called.f_code.co_name.startswith("<") or not _names(called.f_code) & DECODES:
         return None
     rows = _forward_rows(frames[inner + 1 :])
     if rows is None or rows[0] < 2:
@@ -166,3 +169,12 @@ def _runs(func: Any, code: types.CodeType, depth: int = 0) -> bool:
     if type(func) is not types.FunctionType or depth > 3:
         return False
     return func.__code__ is code or _runs(instance_dict(func).get("__wrapped__"), code, depth + 1)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The names and attributes ``code`` (and the code nested in it) reads, its variables too."""
+    names = set(code.co_names) | set(code.co_varnames)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names

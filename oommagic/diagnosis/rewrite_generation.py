@@ -20,7 +20,8 @@ def in_chunks(func, chunk, *args, **kwargs):
     """func() over `chunk` rows of its batch at a time, one slice after another, the results joined in
     order: the batch is its first tensor argument; it and every tensor argument with as many rows (also in
     a dict) are sliced. Tensors are joined along the rows (right-padded to one length where they differ
-    in the last), tuples and dicts item by item, lists one after another."""
+    in the last), tuples and dicts item by item, lists one after another; a result without a row per
+    prompt (a number, a mean over them) is an error, never joined into something else."""
     from collections.abc import Mapping
 
     import torch
@@ -37,16 +38,26 @@ def in_chunks(func, chunk, *args, **kwargs):
             return v[i : i + chunk]
         return {k: part(x, i) for k, x in v.items()} if isinstance(v, Mapping) else v
 
-    outs = [func(*[part(a, i) for a in args], **{k: part(v, i) for k, v in kwargs.items()})
-            for i in range(0, n, chunk)]
+    starts = range(0, n, chunk)
+    outs = [func(*[part(a, i) for a in args], **{k: part(v, i) for k, v in kwargs.items()}) for i in starts]
+    sizes = [min(chunk, n - i) for i in starts]
     config = getattr(getattr(func, "__self__", None), "generation_config", None)
     pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
     pad = getattr(config, "eos_token_id", 0) if pad is None else pad
     pad = (pad[0] if isinstance(pad, (list, tuple)) else pad) or 0
 
+    def rows(parts):
+        # As many rows per prompt in every chunk (sequences returned per prompt), else not a batch's result.
+        per = {len(p) / s for p, s in zip(parts, sizes)}
+        if len(per) != 1 or not per.pop().is_integer():
+            raise ValueError(f"{func.__name__}'s results do not have a row per prompt: run it all at once")
+
     def join(parts):
         first = parts[0]
-        if isinstance(first, torch.Tensor) and first.dim():
+        if isinstance(first, torch.Tensor) and not first.dim():
+            raise ValueError(f"{func.__name__} returned a number, not a row per prompt: run it all at once")
+        if isinstance(first, torch.Tensor):
+            rows(parts)
             width = max(p.shape[-1] for p in parts)
             return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[-1]), value=pad)
                               if p.dim() >= 2 and p.shape[-1] < width else p for p in parts])
@@ -56,6 +67,7 @@ def in_chunks(func, chunk, *args, **kwargs):
         if isinstance(first, Mapping):
             return type(first)(**{k: join([p[k] for p in parts]) for k in first.keys()})
         if isinstance(first, list):
+            rows(parts)
             return [x for p in parts for x in p]
         return parts
 

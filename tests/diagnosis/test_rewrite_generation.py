@@ -122,3 +122,14 @@ def test_the_chunk_helper_gives_the_unchunked_result_whatever_the_chunk(chunk):
     in_chunks = helper(IN_CHUNKS, "in_chunks")
     x = torch.randn(7, 5)
     assert torch.equal(in_chunks(lambda t: t.softmax(-1), chunk, x), x.softmax(-1))
+
+
+def test_the_chunk_helper_refuses_results_without_a_row_per_prompt():
+    in_chunks = helper(IN_CHUNKS, "in_chunks")
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="not a row per prompt"):
+        in_chunks(lambda t: t.sum(), 4, x)
+    with pytest.raises(ValueError, match="do not have a row per prompt"):
+        in_chunks(lambda t: t.mean(0), 3, x)  # a mean over the rows: 4 values for 3, 3 and 2 rows
+    # Several rows per prompt (sequences returned per prompt) are rows in order.
+    assert torch.equal(in_chunks(lambda t: t.repeat_interleave(2, 0), 3, x), x.repeat_interleave(2, 0))

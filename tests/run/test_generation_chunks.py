@@ -155,3 +155,19 @@ def test_a_decoding_loop_in_a_function_of_an_earlier_cell_runs_the_prompts_in_ch
     replies = shell.user_ns["replies"]
     assert tuple(replies.shape) == tuple(whole.shape) == (32, 64 + 8)
     assert bool((replies == whole).all())
+
+
+def test_a_function_that_reduces_over_its_rows_is_not_offered_prompts_in_chunks(shell, run_cell):
+    # The batch reaches the model's forward, but the function keeps no cache and generates nothing: its
+    # result (a mean over the rows) has no row per prompt, so chunks would change it.
+    run_cell(
+        "torch.manual_seed(0)\n"
+        "encoder = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.Linear(1024, 64))\n"
+        "def pooled(model, X):\n    with torch.no_grad():\n        return model(X).mean(0)\n"
+        "points = torch.randn(512, 64)"
+    )
+    run_cell("%%gpumem --limit 2MiB --quiet --no-raise --plan-budget 0\ncentre = pooled(encoder, points)\n")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    assert "prompts" not in [f.key for f in failed.findings], [f.key for f in failed.findings]
+    assert all(r.kind != "split_calls" for f in failed.findings for r in f.remedies)
