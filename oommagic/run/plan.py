@@ -210,9 +210,10 @@ class _Measure:
             chunk = entry.fixes[0].params.get("chunk", 1) // 2
             if chunk < 1:
                 break
-            # The same prompts in smaller chunks take about as long as the last trial: a search that is
-            # converging gets that time where the budget is short of it.
-            need = 1.5 * (entry.seconds_per_step or 1.0) + 1.0
+            # A trial that ran out did so in its first chunk: the whole cell in chunks takes about that
+            # long per chunk. A search that is converging gets that time where the budget is short of it.
+            chunks = -(-entry.fixes[0].params.get("batch", chunk) // chunk)
+            need = 1.2 * (entry.seconds_per_step or 1.0) * chunks + 1.0
             if self.left() < need:
                 self.extend(need)
             halved = self.entry((_rechunked(ctx, figures(self.run.report, ctx), entry.fixes[0], chunk),))
