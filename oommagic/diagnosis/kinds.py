@@ -29,6 +29,7 @@ from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_sour
 from .rewrite import (
     checkpoint_calls_source,
     default_dtype_source,
+    eval_accumulation_source,
     factored_optimizer_source,
     keep_last_logits_source,
     keep_numbers_source,
@@ -42,7 +43,7 @@ from .rewrite import (
     truncate_source,
 )
 from .rewrite_generation import set_generation_setting, split_calls_source, split_generate_source
-from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal
+from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal, inlined_product
 
 # What a fix changes beyond memory, the plan's first order among fixes that fit.
 SAME, NUMERICS, COMPUTED = 0, 1, 2
@@ -81,7 +82,7 @@ class FixKind:
 
 def _batch(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
-    if p.get("where") not in WRITTEN:
+    if p.get("where") not in (*WRITTEN, "loader"):
         return source
     guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
     taken = taken_then(r.new_source or "")
@@ -129,6 +130,9 @@ def _offload(source: str, r: Remedy, helpers: Helpers) -> str:
 def _split_rows(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
     expr = p.get("expr") or f"{p['func']}({p['arg']})"
+    inlined = inlined_product(source, name=p["inlined"]) if p.get("inlined") else None
+    if inlined is not None:
+        source = inlined[0]
     return split_rows_source(source, expr, p["arg"], p["chunk"], p.get("func", "")) or source
 
 
@@ -192,6 +196,12 @@ KINDS: dict[str, FixKind] = {
         ),
         FixKind("no_grad", SAME, rewrite=_no_grad),
         FixKind("eval_batch", SAME, rewrite=_eval_batch),
+        # Every prediction kept, moved to the host every few batches: the same results.
+        FixKind(
+            "eval_accumulation",
+            SAME,
+            rewrite=lambda s, r, h: eval_accumulation_source(s, r.params["steps"], r.params["target"]) or s,
+        ),
         FixKind(
             "split_generate",
             SAME,

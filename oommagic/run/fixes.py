@@ -71,9 +71,6 @@ def _batch_setting(remedy: Remedy, shell: Any, device: str) -> contextlib.Abstra
     params = remedy.params
     if params.get("where") in ("namespace", "option"):
         return _rebound(shell.user_ns, params["name"], params["new"])
-    if params.get("where") == "loader":
-        name = params["path"][0]
-        return _rebound(shell.user_ns, name, rebatched(shell.user_ns[name], params["new"]))
     if params.get("where") == "attribute":
         values = {params["name"]: params["new"]}
         if params.get("accumulation"):

@@ -159,6 +159,8 @@ class _Measure:
                     entry = self.smaller_chunks(entry)
                 elif remedy.kind in ("split_generate", "split_calls"):
                     entry = self.halved_chunks(entry)
+                elif remedy.kind == "eval_accumulation":
+                    entry = self.sooner_to_host(entry)
             except SnapshotTooLarge:
                 raise  # no trial can run: the whole plan says why
             except Exception as err:  # its setting could not be put in force (an object the cell dropped)
@@ -221,6 +223,21 @@ class _Measure:
                 break  # no better: the likely fit stays, said as such
             entry = halved
         return entry
+
+    def sooner_to_host(self, entry: PlanEntry) -> PlanEntry:
+        """An evaluation that still ran out with its predictions moved to the host every N batches, tried
+        again moving them after every batch, the least the device can hold of them."""
+        from ..diagnosis import remedies as fix
+
+        ctx = self.run.context
+        remedy = entry.fixes[0]
+        gathered = ctx.gathered if ctx is not None else None
+        if entry.verdict != DOES_NOT_FIT or remedy.params.get("steps", 1) <= 1 or gathered is None:
+            return entry
+        if self.left() <= 0:
+            return entry
+        fig = figures(self.run.report, ctx)
+        return self.entry((fix.eval_accumulation(ctx, fig, gathered, 1, remedy.saving),))
 
     def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
         """Two fixes that each fell short, together (fewer beams and shorter outputs, autocast and
