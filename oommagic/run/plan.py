@@ -36,6 +36,8 @@ from .release import frozen_heap
 from .runner import Attempt, Bounds
 from .snapshot import SnapshotTooLarge
 
+# Fixes that run the prompts in chunks: a chunk that still runs out is halved until one fits.
+_CHUNKED = ("split_generate", "split_calls")
 # At most this many combinations (a fix that helped but not enough, plus a smaller batch).
 _COMBINATIONS = 2
 
@@ -157,8 +159,6 @@ class _Measure:
                 entry = self.entry((remedy,))
                 if remedy.kind == "split_rows":
                     entry = self.smaller_chunks(entry)
-                elif remedy.kind in ("split_generate", "split_calls"):
-                    entry = self.halved_chunks(entry)
                 elif remedy.kind == "eval_accumulation":
                     entry = self.sooner_to_host(entry)
             except SnapshotTooLarge:
@@ -171,6 +171,11 @@ class _Measure:
                     note=f"its trial could not start: {type(err).__name__}: {err}",
                 )
             found.append(entry)
+        # Prompts in chunks that fell short are halved once every fix had its trial: each halving runs the
+        # whole cell again, and a budget spent on it alone would leave every other fix unmeasured.
+        found = [
+            self.halved_chunks(e) if e.fixes[0].kind in _CHUNKED and len(e.fixes) == 1 else e for e in found
+        ]
         # A fix that frees room (leftovers, checkpointing) can make a smaller batch fit where the batch
         # alone could not (its finding then offers none): combinations try the cell's batch either way.
         guess = self.run.context.batch if self.run.context is not None else None
