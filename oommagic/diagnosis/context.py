@@ -27,11 +27,14 @@ from typing import Any
 from ..oom import OOMReport
 from ..timeline import Recording
 from . import source as cell
+from .called import batch_call, generate_call
 from .findings import (
+    BatchCall,
     DiagnosisContext,
     EvalLoader,
     Frame,
     Gathered,
+    GenerateCall,
     Kept,
     Leftover,
     Loading,
@@ -107,6 +110,8 @@ class NamespaceScan:
     kv_backends: tuple[str, ...] | None = None
     batch_shape: tuple[str, int, int] | None = None
     rows_call: RowsCall | None = None
+    generate_call: GenerateCall | None = None
+    batch_call: BatchCall | None = None
     names: frozenset[str] = frozenset()
 
 
@@ -153,6 +158,8 @@ def scan_namespace(
             call_batch=default_batch(source, namespace),
             rows_batch=_quietly(rows_batch, source, namespace, helpers),
             rows_call=_quietly(rows_call, source, namespace, line),
+            generate_call=_quietly(generate_call, error),
+            batch_call=_quietly(batch_call, error, namespace, source),
             frames=frames,
             kept=kept_holdings(source, [*scopes, namespace], where),
             grad_enabled=bool(torch.is_grad_enabled()),
@@ -417,6 +424,11 @@ def checkpoint_size(what: str) -> tuple[int | None, str | None]:
     return None, None
 
 
+def _ran(scan: NamespaceScan, name: str) -> Any:
+    """A figure of the ``generate`` call the failed run made (None where none was read)."""
+    return getattr(scan.generate_call, name, None) if scan.generate_call is not None else None
+
+
 def make_context(
     source: str,
     recording: Recording,
@@ -455,10 +467,15 @@ def make_context(
         processes=processes,
         owners=tuple((pid, *process_owner(pid)) for pid, _, _ in processes),
         generation=scan.generation,
-        max_new_tokens=cell.keyword_value(source, "max_new_tokens", ints),
-        num_beams=cell.keyword_value(source, "num_beams", ints),
-        prompt_tokens=scan.prompt_tokens,
-        prompt_batch=scan.prompt_batch,
+        # What generate() really got (a splatted dict's settings too), else what the cell's text says.
+        max_new_tokens=_ran(scan, "max_new_tokens") or cell.keyword_value(source, "max_new_tokens", ints),
+        num_beams=_ran(scan, "num_beams") or cell.keyword_value(source, "num_beams", ints),
+        num_return_sequences=_ran(scan, "num_return_sequences")
+        or cell.keyword_value(source, "num_return_sequences", ints),
+        prompt_tokens=_ran(scan, "tokens") or scan.prompt_tokens,
+        prompt_batch=_ran(scan, "prompts") or scan.prompt_batch,
+        generate_call=scan.generate_call,
+        batch_call=scan.batch_call,
         has_truncation=cell.passes_true(source, "truncation"),
         autocast_on="autocast" in applied or cell.autocasts(source),
         bf16_supported=_bf16_supported(recording.device),

@@ -17,12 +17,14 @@ from .source import BatchGuess, EvalBatch
 
 __all__ = [
     "TRAINING_STATE",
+    "BatchCall",
     "DiagnosisContext",
     "EvalLoader",
     "Figures",
     "Finding",
     "Frame",
     "Gathered",
+    "GenerateCall",
     "Kept",
     "Leftover",
     "Loading",
@@ -285,6 +287,35 @@ class RowsCall:
 
 
 @dataclass(frozen=True)
+class GenerateCall:
+    """What a ``generate`` of the failed run really got, read from its frame in the traceback: the prompts
+    (the rows of its input, the encoder's for an encoder–decoder) and their tokens, and the settings in
+    force (the call's keywords, a splatted dict's included, over the model's generation config).
+    ``keywords``: the names the call received as keywords, so that a rewrite never passes one twice."""
+
+    prompts: int | None = None
+    tokens: int | None = None
+    num_beams: int | None = None
+    num_return_sequences: int | None = None
+    max_new_tokens: int | None = None
+    do_sample: bool | None = None
+    keywords: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchCall:
+    """A call on the cell's failing line to a notebook function (``decode(lm, prompts, 64)``) whose
+    argument ``param`` was the batch a model's forward got as its leading dimension, ``rows`` of them:
+    read from the failed run's frames. ``func`` is the callee as written, ``model`` the forward's class."""
+
+    func: str
+    param: str
+    rows: int
+    line: int
+    model: str = ""
+
+
+@dataclass(frozen=True)
 class OptimizerInfo:
     """An optimizer bound to a name in the namespace: its class, whether its step runs the foreach
     implementation (one kernel over every parameter at a time, with temporaries the size of all of them;
@@ -348,6 +379,9 @@ class DiagnosisContext:
     # (name, samples, tokens) of the batch a training loop of the cell held when it failed
     batch_shape: tuple[str, int, int] | None = None
     rows_call: RowsCall | None = None  # a model called on a whole tensor on the failing line
+    generate_call: GenerateCall | None = None  # what generate() really got in the failed run
+    batch_call: BatchCall | None = None  # a notebook function of the failing line given the whole batch
+    num_return_sequences: int | None = None
     names: frozenset[str] = frozenset()  # the names the namespace binds: a rewrite takes none for its own
 
     @property

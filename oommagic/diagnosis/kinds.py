@@ -40,10 +40,10 @@ from .rewrite import (
     set_call_keyword,
     set_literal,
     skip_long_source,
-    split_generate_source,
     split_rows_source,
     truncate_source,
 )
+from .rewrite_generation import set_generation_setting, split_calls_source, split_generate_source
 from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal, inlined_product
 
 # What a fix changes beyond memory, the plan's first order among fixes that fit.
@@ -97,9 +97,9 @@ def _batch(source: str, r: Remedy, helpers: Helpers) -> str:
 
 
 def _keyword(source: str, r: Remedy, helpers: Helpers) -> str:
-    keyword = r.params["keyword"]
+    keyword, given = r.params["keyword"], r.params.get("given", ())
     for func in calls_with_keyword(source, keyword) or ("generate",):
-        source = set_call_keyword(source, func, keyword, r.params["new"]) or source
+        source = set_generation_setting(source, keyword, r.params["new"], given, func) or source
     return source
 
 
@@ -246,6 +246,14 @@ KINDS: dict[str, FixKind] = {
             ),
         ),
         FixKind("split_rows", SAME, rewrite=_split_rows),
+        FixKind(
+            "split_calls",
+            SAME,
+            rewrite=lambda s, r, h: (
+                split_calls_source(s, r.params["func"], r.params["chunk"], taken_then(r.new_source or ""))
+                or s
+            ),
+        ),
         # A different update rule: what is computed changes, said in the entry.
         FixKind("optimizer", COMPUTED, rewrite=lambda s, r, h: factored_optimizer_source(s) or s),
         # Acting outside this process: another GPU, another process, a restart.

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..sizes import format_bytes as fmt
-from .findings import DiagnosisContext, EvalLoader, Figures, Gathered, Remedy, RowsCall
+from .findings import BatchCall, DiagnosisContext, EvalLoader, Figures, Gathered, Remedy, RowsCall
 from .rewrite import (
     accumulate_loops,
     accumulates,
@@ -36,10 +36,10 @@ from .rewrite import (
     set_call_keyword,
     set_literal,
     skip_long_source,
-    split_generate_source,
     split_rows_source,
     truncate_source,
 )
+from .rewrite_generation import set_generation_setting, split_calls_source, split_generate_source
 from .source import (
     BatchGuess,
     EvalBatch,
@@ -1081,12 +1081,17 @@ def weights_remedies(
 def generate_keyword(
     ctx: DiagnosisContext, fig: Figures, keyword: str, old: int | None, new: int, saving: int | None
 ) -> Remedy:
-    """``max_new_tokens`` or ``num_beams`` set to ``new`` in the cell's generate/pipeline calls."""
+    """``max_new_tokens`` or ``num_beams`` set to ``new`` in the cell's generate/pipeline calls, written
+    where each call takes it from (its keyword, or the dict it splats: never passed twice)."""
+    given = ctx.generate_call.keywords if ctx.generate_call is not None else ()
     source = ctx.source
     for func in calls_with_keyword(ctx.source, keyword) or ("generate",):
-        source = set_call_keyword(source, func, keyword, new) or source
+        source = set_generation_setting(source, keyword, new, given, func) or source
     new_source = source if source != ctx.source else None
-    if keyword == "num_beams":
+    if keyword == "num_beams" and new > 1:
+        title = f"num_beams {old} → {new} (the {new} sequences returned need {new} beams)"
+        why = f"Each beam keeps its own KV cache: {old} beams hold {old / new:g}× the cache of {new}."
+    elif keyword == "num_beams":
         title = f"num_beams {old} → 1 (greedy)"
         why = f"Each beam keeps its own KV cache: {old} beams hold {old}× the cache of greedy decoding."
     elif old is None:
@@ -1106,7 +1111,7 @@ def generate_keyword(
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else f"model.generate(..., {keyword}={new})",
         automatic=new_source is not None,
-        params={"keyword": keyword, "old": old, "new": new},
+        params={"keyword": keyword, "old": old, "new": new, "given": list(given)},
         new_source=new_source,
     )
 
@@ -1119,12 +1124,34 @@ def split_generate(ctx: DiagnosisContext, fig: Figures, batch: int, chunk: int, 
         "split_generate",
         f"Generate {chunk} prompts at a time (of {batch})",
         "The KV cache and the prefill's activations grow with the number of prompts generated together; "
-        f"running them {chunk} at a time holds one chunk's worth, and the outputs are joined (right-padded "
-        "to one length). Same results, a little slower.",
+        f"running them {chunk} at a time holds one chunk's worth, and the outputs are joined in order "
+        "(right-padded to one length). Same results, a little slower.",
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else "",
         automatic=new_source is not None,
         params={"chunk": chunk, "batch": batch},
+        new_source=new_source,
+    )
+
+
+def split_calls(
+    ctx: DiagnosisContext, fig: Figures, call: BatchCall, chunk: int, saving: int | None
+) -> Remedy:
+    """The cell's calls of the notebook function ``call.func`` run over ``chunk`` rows of their batch at a
+    time, one chunk after another, the results joined in order."""
+    new_source = split_calls_source(ctx.source, call.func, chunk, _taken(ctx))
+    return _made(
+        fig,
+        "split_calls",
+        f"Run {call.func}() on {chunk} prompts at a time (of {call.rows})",
+        f"{call.func}() got all {call.rows} rows of its `{call.param}` at once, and "
+        f"{call.model or 'the model'}'s forward got them as its batch: what it keeps per row (a KV cache, "
+        f"logits) grows with them. {chunk} at a time hold one chunk's worth; the results are joined in "
+        "order, every row kept. Same results, a little slower.",
+        saving,
+        code=changed_lines(ctx.source, new_source) if new_source else "",
+        automatic=new_source is not None,
+        params={"chunk": chunk, "batch": call.rows, "func": call.func},
         new_source=new_source,
     )
 

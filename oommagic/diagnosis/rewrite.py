@@ -604,70 +604,12 @@ def load_source(source: str, keywords: dict[str, str], imports: tuple[str, ...] 
     return _checked("\n".join([*missing, new])) if missing else new
 
 
-CHUNKED_GENERATE = '''\
-def generate_in_chunks(generate, chunk, *args, **kwargs):
-    """generate() over slices of `chunk` prompts, one after another; outputs right-padded to one length."""
-    import torch
-
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim()]
-    tensors += [v for m in (*args, *kwargs.values()) if hasattr(m, "keys") for v in m.values()
-                if isinstance(v, torch.Tensor) and v.dim()]
-    n = tensors[0].shape[0]
-
-    def part(v, i):
-        if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == n:
-            return v[i : i + chunk]
-        if hasattr(v, "keys"):
-            return {k: part(x, i) for k, x in v.items()}
-        return v
-
-    outs = [generate(*[part(a, i) for a in args], **{k: part(v, i) for k, v in kwargs.items()})
-            for i in range(0, n, chunk)]
-    if not all(isinstance(o, torch.Tensor) for o in outs):
-        return outs
-    config = getattr(getattr(generate, "__self__", None), "generation_config", None)
-    pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
-    pad = getattr(config, "eos_token_id", 0) if pad is None else pad
-    pad = (pad[0] if isinstance(pad, (list, tuple)) else pad) or 0
-    width = max(o.shape[-1] for o in outs)
-    return torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[-1]), value=pad) for o in outs])
-'''
-
-
 def quantized_cache_source(source: str, config: str) -> str | None:
     """The cell's ``generate`` calls with transformers' quantized KV cache: ``cache_implementation=
     "quantized"`` and ``cache_config`` (source text, ``{"backend": "fp8"}``). None where the cell makes no
     such call."""
     new = set_call_keyword(source, "generate", "cache_implementation", "quantized")
     return set_call_keyword(new, "generate", "cache_config", Code(config)) if new else None
-
-
-def split_generate_source(source: str, chunk: int, taken: Iterable[str] = frozenset()) -> str | None:
-    """The cell with each ``X.generate(...)`` call run over slices of ``chunk`` prompts one after another
-    (``generate_in_chunks(X.generate, chunk, ...)``, defined at the top of the cell under a name fresh
-    against the cell and ``taken``). None where the cell makes no such call."""
-    tree = tree_of(source)
-    if tree is None:
-        return None
-    src = SourceText(source)
-    calls = [
-        n
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "generate"
-    ]
-    if not calls:
-        return None
-    helper = fresh_name("generate_in_chunks", source, taken=taken)
-    edits = []
-    for call in calls:
-        func = src.segment(call.func)
-        start, _ = src.span(call.func)
-        # `model.generate(` → `generate_in_chunks(model.generate, 8, `; an empty call keeps its parenthesis.
-        open_paren = src.offset(call.func.end_lineno, call.func.end_col_offset)
-        rest = "" if not (call.args or call.keywords) else ", "
-        edits.append((start, open_paren + 1, f"{helper}({func}, {chunk}{rest}"))
-    body = _apply(source, edits)
-    return _checked(_renamed(CHUNKED_GENERATE, "generate_in_chunks", helper) + "\n\n" + body)
 
 
 def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str = "") -> str | None:

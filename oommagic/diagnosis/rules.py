@@ -76,6 +76,7 @@ WEIGHT = {
     "other_processes": 0.9,
     "activations": 0.9,
     "generation": 0.9,
+    "prompts": 0.9,  # a notebook function given the whole batch of prompts, read from the failed run
     # Only fires on an outlier step, and the fix cuts only the outliers: put it before the batch.
     "long_samples": 1.2,
     "reserved_churn": 0.3,
@@ -619,7 +620,7 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         ctx.prompt_tokens and ctx.max_new_tokens and ctx.prompt_tokens >= ctx.max_new_tokens
     )
     if ctx.prompt_batch and ctx.prompt_batch >= 2:
-        chunk = ctx.prompt_batch // 2
+        chunk = _first_chunk(ctx.prompt_batch, fig)
         saving = act * (ctx.prompt_batch - chunk) // ctx.prompt_batch if act else None
         remedies.append(fix.split_generate(ctx, fig, ctx.prompt_batch, chunk, saving))
     cache = act * ctx.max_new_tokens // (prompt + ctx.max_new_tokens) if act and ctx.max_new_tokens else None
@@ -637,9 +638,11 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", old, new, saving))
     elif ctx.max_new_tokens is None and not in_prefill:
         remedies.append(fix.generate_keyword(ctx, fig, "max_new_tokens", None, 256, None))
-    if ctx.num_beams and ctx.num_beams > 1:
-        saving = act * (ctx.num_beams - 1) // ctx.num_beams if act else None
-        remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, 1, saving))
+    # Beam search returns at most as many sequences as it keeps beams: fewer beams stop there.
+    fewest = max(1, ctx.num_return_sequences or 1)
+    if ctx.num_beams and ctx.num_beams > fewest:
+        saving = act * (ctx.num_beams - fewest) // ctx.num_beams if act else None
+        remedies.append(fix.generate_keyword(ctx, fig, "num_beams", ctx.num_beams, fewest, saving))
     batch, note = _batch_remedy(ctx, fig, training=False)
     remedies.append(batch)
     if batch is None and ctx.prompt_batch:
@@ -676,10 +679,47 @@ def _generation(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -
         _split_evidence(ctx, fig)
         + " In generation that is mostly the KV cache and logits, which grow with batch × beams × tokens"
         + (f" (max_new_tokens={ctx.max_new_tokens}" if ctx.max_new_tokens else " (max_new_tokens not set")
-        + (f", num_beams={ctx.num_beams})." if ctx.num_beams else ").")
+        + (f", num_beams={ctx.num_beams}" if ctx.num_beams else "")
+        + (
+            f", num_return_sequences={ctx.num_return_sequences}"
+            if (ctx.num_return_sequences or 1) > 1
+            else ""
+        )
+        + (", read from the call the failed run made)." if ctx.generate_call is not None else ").")
         + note
     )
     return _finding("generation", "Generation memory", evidence, remedies, fig)
+
+
+def _first_chunk(rows: int, fig: Figures) -> int:
+    """The first number of prompts at a time to try: halved from ``rows`` until what grows with them (the
+    activations at the failure, a lower bound) takes at most half of what the budget leaves beside what
+    stays; the plan halves it further until a trial fits."""
+    chunk = max(rows // 2, 1)
+    if fig.activations and fig.budget is not None:
+        room = (fig.budget * (1 - MARGIN) - fig.fixed) / 2
+        while chunk > 1 and fig.activations * chunk / rows > room:
+            chunk //= 2
+    return chunk
+
+
+def _batch_call(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """A notebook function on the failing line got the whole batch of prompts, and a model's forward got
+    them as its batch (a hand-written decoding loop): the function can run on chunks of them."""
+    call = ctx.batch_call
+    if call is None or fig.training or call.rows < 2:
+        return None
+    chunk = _first_chunk(call.rows, fig)
+    act = fig.activations
+    saving = act * (call.rows - chunk) // call.rows if act else None
+    evidence = (
+        _split_evidence(ctx, fig)
+        + f" Line {call.line} calls {call.func}() with all {call.rows} rows of its `{call.param}` at once, "
+        f"and {call.model or 'the model'}'s forward got them as its batch (read from the failed run): what "
+        "it keeps per row, a KV cache or logits, grows with them."
+    )
+    remedies = [fix.split_calls(ctx, fig, call, chunk, saving)]
+    return _finding("prompts", "Every prompt at once", evidence, remedies, fig)
 
 
 def _version_at_least(version: str | None, least: tuple[int, int]) -> bool:
@@ -1004,6 +1044,7 @@ RULES: tuple[Rule, ...] = (
     _other_processes,
     _activations,
     _generation,
+    _batch_call,
     _growth,
     _kept,
     _gathered,

@@ -38,6 +38,8 @@ from .release import frozen_heap
 from .runner import Attempt, Bounds
 from .snapshot import SnapshotTooLarge
 
+# Fixes that run the prompts in chunks: a chunk that still runs out is halved until one fits.
+_CHUNKED = ("split_generate", "split_calls")
 # At most this many combinations (a fix that helped but not enough, plus a smaller batch).
 _COMBINATIONS = 2
 
@@ -178,7 +180,7 @@ class _Measure:
                 entry = self.entry((remedy,))
                 if remedy.kind == "split_rows":
                     entry = self.smaller_chunks(entry)
-                if remedy.kind == "eval_accumulation":
+                elif remedy.kind == "eval_accumulation":
                     entry = self.sooner_to_host(entry)
             except SnapshotTooLarge:
                 raise  # no trial can run: the whole plan says why
@@ -190,6 +192,11 @@ class _Measure:
                     note=f"its trial could not start: {type(err).__name__}: {err}",
                 )
             found.append(entry)
+        # Prompts in chunks that fell short are halved once every fix had its trial: each halving runs the
+        # whole cell again, and a budget spent on it alone would leave every other fix unmeasured.
+        found = [
+            self.halved_chunks(e) if e.fixes[0].kind in _CHUNKED and len(e.fixes) == 1 else e for e in found
+        ]
         # A fix that frees room (leftovers, checkpointing) can make a smaller batch fit where the batch
         # alone could not (its finding then offers none): combinations try the cell's batch either way.
         guess = self.run.context.batch if self.run.context is not None else None
@@ -220,6 +227,27 @@ class _Measure:
             if entry.verdict != DOES_NOT_FIT or entry.note or call is None or chunk < 1 or self.left() <= 0:
                 break
             entry = self.entry((fix.split_rows(ctx, figures(self.run.report, ctx), call, chunk),))
+        return entry
+
+    def halved_chunks(self, entry: PlanEntry) -> PlanEntry:
+        """Prompts in chunks that still ran out (or fitted with less than the margin to spare), tried again
+        on half as many at a time, until a chunk fits or it is one prompt: the first chunk came from the
+        failed run's figures, a lower bound where the run stopped early."""
+        ctx = self.run.context
+        while ctx is not None and _short(entry) and self.left() > 0:
+            chunk = entry.fixes[0].params.get("chunk", 1) // 2
+            if chunk < 1:
+                break
+            # A trial that ran out did so in its first chunk: the whole cell in chunks takes about that
+            # long per chunk. A search that is converging gets that time where the budget is short of it.
+            chunks = -(-entry.fixes[0].params.get("batch", chunk) // chunk)
+            need = 1.2 * (entry.seconds_per_step or 1.0) * chunks + 1.0
+            if self.left() < need:
+                self.extend(need)
+            halved = self.entry((_rechunked(ctx, figures(self.run.report, ctx), entry.fixes[0], chunk),))
+            if entry.verdict == LIKELY_FITS and halved.verdict != FITS:
+                break  # no better: the likely fit stays, said as such
+            entry = halved
         return entry
 
     def sooner_to_host(self, entry: PlanEntry) -> PlanEntry:
@@ -556,6 +584,18 @@ def ended(verdict: str, peak: int | None, note: str = "") -> str:
         return f" {'stopped' if 'time' in note else NOT_MEASURED}{': ' + note if note else ''}"
     bound = "at least " if verdict == DOES_NOT_FIT else ""
     return f" {verdict}" + (f", peak {bound}{format_bytes(peak)}" if peak is not None else "")
+
+
+def _rechunked(ctx: Any, fig: Any, remedy: Remedy, chunk: int) -> Remedy:
+    """``remedy`` (prompts in chunks) made again for ``chunk`` prompts at a time, its saving the share of
+    what grows with the prompts that the other chunks took."""
+    from ..diagnosis import remedies as fix
+
+    batch = remedy.params["batch"]
+    saving = fig.activations * (batch - chunk) // batch if fig.activations else None
+    if remedy.kind == "split_calls":
+        return fix.split_calls(ctx, fig, ctx.batch_call, chunk, saving)
+    return fix.split_generate(ctx, fig, batch, chunk, saving)
 
 
 def _short(entry: PlanEntry) -> bool:

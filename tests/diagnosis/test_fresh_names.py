@@ -14,10 +14,10 @@ from oommagic.diagnosis.rewrite import (
     fresh_name,
     micro_batch_source,
     skip_long_source,
-    split_generate_source,
     split_rows_source,
     truncate_source,
 )
+from oommagic.diagnosis.rewrite_generation import split_generate_source
 from oommagic.diagnosis.source import BatchGuess
 
 LOOP = """\

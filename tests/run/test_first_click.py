@@ -345,12 +345,14 @@ gen_model = GPT2LMHeadModel(config).eval()
 prompts = torch.randint(1, 500, (32, 16))
 """
 GENERATE = """\
-out = gen_model.generate(prompts, attention_mask=torch.ones_like(prompts), num_beams=4, max_new_tokens=64,
-                         min_new_tokens=64, do_sample=False, pad_token_id=0)
+out = gen_model.generate(prompts, attention_mask=torch.ones_like(prompts), num_beams=4, max_new_tokens=16,
+                         min_new_tokens=16, do_sample=False, pad_token_id=0)
 """
 
 
-def test_a_generation_where_no_single_fix_is_enough_gets_two_together(shell, run_cell):
+def test_a_generation_where_neither_greedy_nor_half_the_prompts_fit_gets_fewer_prompts_at_a_time(
+    shell, run_cell
+):
     pytest.importorskip("transformers")
     run_cell(GEN_SETUP)
     small = GENERATE.replace("num_beams=4", "num_beams=1").replace("prompts,", "prompts[:12],")
@@ -359,13 +361,16 @@ def test_a_generation_where_no_single_fix_is_enough_gets_two_together(shell, run
         + small.replace("torch.ones_like(prompts)", "torch.ones_like(prompts[:12])")
     )
     probe = shell.user_ns["probe"]
-    # Room for greedy search over 16 prompts: neither greedy search over 32 nor beams in chunks of 16 fit.
+    # Room for greedy search over 16 prompts: neither greedy search over 32 nor beams in chunks of 16 fit;
+    # the chunks are halved until they do, the beams kept (the same results, where greedy changes them).
     limit = (probe.before_allocated + 1.5 * (probe.peak_allocated - probe.before_allocated)) / 2**20
     failed, fix, fitted = first_click(limit, GENERATE, shell, run_cell)
-    singles = [e for e in failed.plan.entries if len(e.fixes) == 1]
-    assert singles and all(e.verdict != "fits" for e in singles), [e.line() for e in failed.plan.entries]
-    assert "+" in fix.kind and fix.verdict == "fits", fix.kind
+    greedy = [e for e in failed.plan.entries if e.fixes[0].kind == "num_beams" and len(e.fixes) == 1]
+    assert all(e.verdict != "fits" for e in greedy), [e.line() for e in failed.plan.entries]
+    assert fix.kind == "split_generate" and fix.verdict == "fits", (fix.kind, fix.verdict)
+    assert fix.fixes[0].params["chunk"] <= 8, fix.title
     assert fitted.outcome == "ok", fitted.headline()
+    assert tuple(shell.user_ns["out"].shape) == (32, 16 + 16)
 
 
 KEEPS_LOGITS = """\
