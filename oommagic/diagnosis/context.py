@@ -97,6 +97,7 @@ class NamespaceScan:
     settings_batch: BatchGuess | None = None
     call_batch: BatchGuess | None = None
     rows_batch: BatchGuess | None = None
+    object_batch: BatchGuess | None = None
     frames: tuple[Frame, ...] = ()
     kept: tuple[Kept, ...] = ()
     grad_enabled: bool | None = None
@@ -157,6 +158,7 @@ def scan_namespace(
             or loader_batch(source, namespace, line),
             call_batch=default_batch(source, namespace),
             rows_batch=_quietly(rows_batch, source, namespace, helpers),
+            object_batch=_quietly(object_batch, source, namespace),
             rows_call=_quietly(rows_call, source, namespace, line),
             generate_call=_quietly(generate_call, error),
             batch_call=_quietly(batch_call, error, namespace, source),
@@ -460,7 +462,8 @@ def make_context(
         or cell.step_batch(source)
         or cell.shape_batch(source, ints)
         or scan.call_batch
-        or scan.rows_batch,
+        or scan.rows_batch
+        or scan.object_batch,
         models=scan.models,
         optimizers=scan.optimizers,
         other_gpus=other_gpus,
@@ -713,6 +716,34 @@ def settings_batch(source: str, namespace: Mapping) -> BatchGuess | None:
         copied = instance_dict(namespace[owner]).get("_train_batch_size")
         mirrors = ((f"{owner}._train_batch_size", copied),) if type(copied) is int and not evaluating else ()
         return BatchGuess(f"{owner}.args.{key}", value, "attribute", accumulation, mirrors)
+    return None
+
+
+def object_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+    """A batch setting of an object of the namespace that the cell hands to a call, read where the text
+    does not say the batch: ``trainer.fit(model, datamodule=dm)`` with ``dm.batch_size`` (a
+    LightningDataModule whose loader reads it), ``train(cfg)`` with ``cfg.batch_size`` read inside the
+    function. An int attribute named like a batch, from the object's instance dict only (no property)."""
+    import torch
+
+    tree = cell.tree_of(source)
+    if tree is None:
+        return None
+    made = {s.name for s in cell.binding_sites(tree)}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            if not isinstance(arg, ast.Name) or arg.id in made or arg.id not in namespace:
+                continue
+            obj = namespace[arg.id]
+            if isinstance(obj, (*SKIPPED_TYPES, torch.Tensor, dict, list, tuple)):
+                continue
+            attrs = instance_dict(obj)
+            for key in cell.BATCH_NAMES:
+                value = attrs.get(key)
+                if type(value) is int and value >= 2:
+                    return BatchGuess(f"{arg.id}.{key}", value, "object", path=(arg.id, key))
     return None
 
 

@@ -89,7 +89,7 @@ class FixKind:
 
 def _batch(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
-    if p.get("where") not in (*WRITTEN, "loader"):
+    if p.get("where") not in (*WRITTEN, "loader", "object"):
         return source
     guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
     taken = taken_then(r.new_source or "")

@@ -433,6 +433,17 @@ def batch_source(
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
+    if guess.where == "object":
+        # A setting of an object an earlier cell made (`dm.batch_size`), read where the cell does not say
+        # it: set at the top of the cell, so the notebook says what runs; the accumulation beside it.
+        if acc > 1 and accumulates(source):
+            body = scale_accumulation(source, acc)
+            keeps = body is not None
+        else:
+            body, keeps = _accumulated(source, helpers, source, acc, taken)
+        owner, attr = guess.path
+        head = f"{owner}.{attr} = {new}  # oommagic: the batch {owner} hands out (was {guess.value})\n"
+        return head + (body or source), keeps
     if guess.where == "loader":
         # A loader an earlier cell made: the cell re-batches a copy of it first, so that the notebook says
         # what the kernel runs (and a second run of the cell does the same); accumulation as for the rest.

@@ -1012,3 +1012,55 @@ def test_a_tokenizers_output_splatted_into_an_encoder_at_once_runs_on_chunks_of_
     assert "for key, value in enc.items()" in fitted.source and "out =" not in fitted.source
     assert tuple(shell.user_ns["vecs"].shape) == (512, 128)
     assert torch.allclose(shell.user_ns["vecs"][:8], expected, atol=1e-5), "the same vectors"
+
+
+OBJECT_SETUP = """
+torch.manual_seed(0)
+class Settings:
+    def __init__(self):
+        self.batch_size = 1024
+        self.steps = 2
+settings = Settings()
+mlp = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1))
+mlp_opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+pool = torch.randn(8192, 128)
+def fit(model, opt, cfg):
+    for step in range(cfg.steps):
+        xb = pool[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        loss = model(xb).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
+
+
+def test_a_batch_setting_of_an_object_the_cell_hands_to_a_function_is_set_in_the_cell_and_fits(
+    shell, run_cell
+):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    shell.run_cell(OBJECT_SETUP)
+    rows: list[int] = []
+    shell.user_ns["mlp"].register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
+    # The batch is nowhere in the cell's text: `fit` reads `cfg.batch_size` of the object the cell passes.
+    run_cell("%%gpumem --limit 8MiB --quiet --no-raise --plan-budget 60\nfit(mlp, mlp_opt, settings)")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    guess = failed.context.batch
+    assert (guess.name, guess.value, guess.where) == ("settings.batch_size", 1024, "object")
+    widget = ReportWidget(failed, session_for(shell))
+    first = widget.fixes[0]
+    assert first.kind == "batch" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
+    steps: list[int] = []
+    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+    rows.clear()
+    try:
+        fitted = widget.click(first.kind)
+    finally:
+        handle.remove()
+    assert fitted.outcome == "ok", fitted.headline()
+    new = first.fixes[0].params["new"]
+    # The cell says what runs: the setting at its top, `fit` redefined with the accumulation.
+    assert fitted.source.startswith(f"settings.batch_size = {new}  # oommagic"), fitted.source
+    assert shell.user_ns["settings"].batch_size == new
+    assert len(steps) == 2 and sum(rows) == 2048, (len(steps), rows, fitted.source)

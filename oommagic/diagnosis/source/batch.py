@@ -55,9 +55,11 @@ class BatchGuess:
     place), ``"step"`` (a loop over slices with a literal step, ``range(0, n, 128)`` and ``x[i:i + 128]``) or
     ``"shape"`` (the first dimension of the data a loop makes, ``torch.randn(64, 3, 224, 224)``) or
     ``"loader"`` (the ``batch_size`` of a DataLoader made earlier that the loop iterates: ``path`` names it)
-    or ``"call"`` (the default of a parameter of a notebook function the cell calls without it,
-    ``def train(model, bs=128)`` and ``train(enc)``: ``path`` is (function, parameter), a rewrite passes
-    the new number to the call).
+    or ``"object"`` (an int setting named like a batch of an object of the namespace the cell hands to a
+    call, ``dm.batch_size`` of ``trainer.fit(model, datamodule=dm)``: ``path`` is (object, attribute), a
+    rewrite sets it at the top of the cell) or ``"call"`` (the default of a parameter of a notebook
+    function the cell calls without it, ``def train(model, bs=128)`` and ``train(enc)``: ``path`` is
+    (function, parameter), a rewrite passes the new number to the call).
     """
 
     name: str
