@@ -1,0 +1,158 @@
+"""The first offered fix fits and keeps the cell's work, counted as a person would: the optimizer steps
+taken and the samples that reached the model's forward in training, over the click's run alone. Shapes the
+hold-out found without a fitting first click: a step whose batch is sliced off a tensor by the cell itself
+(slice arithmetic, a permutation cut, a moving window); a loop that already accumulates gradients with its
+own counter under names the product does not know; a Lightning ``validate``/``fit`` given a loader made in
+an earlier cell."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import oommagic
+from oommagic.run.session import session_for
+from oommagic.view.widget import ReportWidget
+
+
+@pytest.fixture(autouse=True)
+def clean(shell):
+    before = set(shell.user_ns)
+    yield
+    for name in set(shell.user_ns) - before:
+        shell.user_ns.pop(name, None)
+
+
+@contextlib.contextmanager
+def counted(model: torch.nn.Module) -> Iterator[dict]:
+    """Optimizer steps and the rows of training forwards of ``model`` while the block runs (a forward run
+    again in the backward pass, activation checkpointing's, is the same samples)."""
+    work = {"steps": 0, "samples": 0}
+
+    def forward(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            first = next(v for v in [*args, *kwargs.values()] if torch.is_tensor(v))
+            work["samples"] += int(first.shape[0])
+
+    def step(*_):
+        work["steps"] += 1
+
+    hooks = [
+        model.register_forward_pre_hook(forward, with_kwargs=True),
+        register_optimizer_step_post_hook(step),
+    ]
+    try:
+        yield work
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def fail_then_click(shell, run_cell, cell: str, model: str, room: float = 0.6):
+    """Run ``cell`` once to size a limit (``room`` of what it grew by, above what was held), fail it under
+    that limit, press the report's first fix and count the work of the cell as written and of the click."""
+    with counted(shell.user_ns[model]) as written:
+        run_cell("%%gpumem --quiet -o _probe_run\n" + cell)
+    probe = shell.user_ns.pop("_probe_run")
+    assert probe.outcome == "ok", probe.headline()
+    limit = (probe.before_allocated + room * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    run_cell(f"%%gpumem --limit {limit:.3f}MiB --quiet --no-raise --plan-budget 60\n{cell}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    widget = ReportWidget(failed, session_for(shell))
+    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + [
+        failed.plan and [e.line() for e in failed.plan.entries]
+    ]
+    first = widget.fixes[0]
+    with counted(shell.user_ns[model]) as clicked:
+        fitted = widget.click(first.kind)
+    return first, fitted, written, clicked
+
+
+# --- 1. a step's batch sliced off a tensor by the cell ------------------------------------------------
+
+LM_SETUP = """
+import torch.nn.functional as F
+torch.manual_seed(0)
+class WordLM(torch.nn.Module):
+    def __init__(self, vocab, width):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, width)
+        self.out = torch.nn.Linear(width, vocab)
+    def forward(self, ids):
+        return self.out(torch.tanh(self.emb(ids)))
+word_lm = WordLM(4000, 32)
+adam = torch.optim.Adam(word_lm.parameters(), lr=1e-3)
+stream = torch.randint(0, 4000, (64, 33))
+"""
+LM_CELL = """\
+mb = 32
+for it in range(2):
+    chunk = stream[it * mb:(it + 1) * mb]
+    logits = word_lm(chunk[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), chunk[:, 1:].reshape(-1))
+    loss.backward()
+    adam.step()
+    adam.zero_grad()
+"""
+PERM_SETUP = """
+torch.manual_seed(0)
+clf = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                          torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+sgd = torch.optim.SGD(clf.parameters(), lr=0.05)
+feats = torch.randn(4096, 256)
+labels = torch.randint(0, 10, (4096,))
+"""
+PERM_CELL = """\
+n_batch = 2048
+for step in range(2):
+    idx = torch.randperm(len(feats))[:n_batch]
+    xb, yb = feats[idx], labels[idx]
+    sgd.zero_grad()
+    loss = torch.nn.functional.cross_entropy(clf(xb), yb)
+    loss.backward()
+    sgd.step()
+"""
+WINDOW_SETUP = """
+torch.manual_seed(0)
+ae = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 128))
+opt_ae = torch.optim.AdamW(ae.parameters(), lr=1e-3)
+corpus = torch.randn(8192, 128)
+"""
+WINDOW_CELL = """\
+window = 4096
+pos = 0
+while pos < 2 * window:
+    seq = corpus[pos:pos + window]
+    recon = ae(seq)
+    loss = ((recon - seq) ** 2).mean()
+    loss.backward()
+    opt_ae.step()
+    opt_ae.zero_grad()
+    pos += window
+"""
+
+
+@pytest.mark.parametrize(
+    "setup, cell, model, inputs",
+    [
+        (LM_SETUP, LM_CELL, "word_lm", "(chunk)"),
+        (PERM_SETUP, PERM_CELL, "clf", "(xb, yb)"),
+        (WINDOW_SETUP, WINDOW_CELL, "ae", "(seq)"),
+    ],
+    ids=["slice-arithmetic-lm", "randperm-cut", "moving-window"],
+)
+def test_a_step_whose_batch_the_cell_slices_runs_on_micro_batches_and_keeps_its_work(
+    shell, run_cell, setup, cell, model, inputs
+):
+    run_cell(setup)
+    fix, fitted, written, clicked = fail_then_click(shell, run_cell, cell, model)
+    assert fix.kind == "batch" and fix.verdict == "fits", (fix.title, fix.verdict)
+    assert "micro-batches" in fix.title and fix.title.endswith(inputs), fix.title
+    assert fitted.outcome == "ok", fitted.headline()
+    assert ".tensor_split(" in fitted.source, fitted.source
+    assert written["steps"] == 2 and clicked == written, (clicked, written)
