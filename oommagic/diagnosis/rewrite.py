@@ -105,7 +105,74 @@ def accumulates(source: str) -> bool:
     if tree is None:
         return False
     sites = binding_sites(tree)
-    return bool(_accumulation_literals(sites) or _training_args_calls(tree) or _lightning_trainer_calls(tree))
+    return bool(
+        _accumulation_literals(sites)
+        or own_accumulation(tree)
+        or _training_args_calls(tree)
+        or _lightning_trainer_calls(tree)
+    )
+
+
+def own_accumulation(tree: ast.Module) -> list[tuple[ast.expr, ast.Call]]:
+    """The person's own gradient accumulation, whatever its names: in a training loop, an ``if`` whose test
+    is ``<count> % N == 0`` and whose body steps an optimizer (``if (i + 1) % accum == 0: opt.step()``).
+    Each as (``N``, the loop's backward call)."""
+    found = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, (ast.For, ast.While)) or not _trains_in(loop):
+            continue
+        backward = next(
+            n
+            for stmt in _statements(loop.body)
+            for n in ast.walk(stmt)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        )
+        for block in _blocks(loop.body):
+            for stmt in block:
+                test = stmt.test if isinstance(stmt, ast.If) else None
+                every = (
+                    test.left.right
+                    if isinstance(test, ast.Compare)
+                    and len(test.ops) == 1
+                    and isinstance(test.ops[0], ast.Eq)
+                    and int_literal(test.comparators[0]) == 0
+                    and isinstance(test.left, ast.BinOp)
+                    and isinstance(test.left.op, ast.Mod)
+                    else None
+                )
+                if every is not None and any(step_call(n) == "step" for s in stmt.body for n in ast.walk(s)):
+                    found.append((every, backward))
+    return found
+
+
+def _own_accumulation_edits(
+    src: SourceText, tree: ast.Module, sites: list[Binding], accumulate: int
+) -> list[tuple[int, int, str]]:
+    """Scale the person's own accumulation (``own_accumulation``) by ``accumulate``: a name bound once to a
+    literal in the cell has that literal multiplied (its every use scales: the test and the loss's
+    divisor); otherwise the test's ``N`` becomes ``N * accumulate`` and the loss is divided by
+    ``accumulate`` as well. Either way each optimizer step sums as many samples as before, once each."""
+    edits: list[tuple[int, int, str]] = []
+    done: set[int] = set()
+    for every, backward in own_accumulation(tree):
+        bound = [s for s in sites if isinstance(every, ast.Name) and s.name == every.id]
+        if len(bound) == 1 and int_literal(bound[0].value) is not None:
+            if id(bound[0].value) not in done:
+                done.add(id(bound[0].value))
+                edits.append((*src.span(bound[0].value), str(int_literal(bound[0].value) * accumulate)))
+            continue
+        value = int_literal(every)
+        atomic = isinstance(every, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+        text = src.segment(every) if atomic else f"({src.segment(every)})"
+        edits.append(
+            (*src.span(every), str(value * accumulate) if value is not None else f"{text} * {accumulate}")
+        )
+        if id(backward) not in done:
+            done.add(id(backward))
+            loss = _loss_of(backward)
+            loss_text = f"{src.segment(loss)} / {accumulate}"
+            edits.append((*src.span(loss), f"({loss_text})" if loss is backward.func.value else loss_text))
+    return edits
 
 
 def _accumulation_literals(sites: list[Binding]) -> list[Binding]:
@@ -130,6 +197,8 @@ def _accumulation_edits(
     literal = _accumulation_literals(sites)
     if literal:
         return [(*src.span(s.value), str(int_literal(s.value) * accumulate)) for s in literal]
+    if own_accumulation(tree):
+        return _own_accumulation_edits(src, tree, sites, accumulate)
     if any(s.name in ACCUMULATION_NAMES for s in sites):
         return []  # set from a variable we cannot see into: leave it, the explanation says so
     edits = []

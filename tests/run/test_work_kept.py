@@ -156,3 +156,64 @@ def test_a_step_whose_batch_the_cell_slices_runs_on_micro_batches_and_keeps_its_
     assert fitted.outcome == "ok", fitted.headline()
     assert ".tensor_split(" in fitted.source, fitted.source
     assert written["steps"] == 2 and clicked == written, (clicked, written)
+
+
+# --- 3. a loop that accumulates gradients with its own counter -----------------------------------------
+
+ACCUM_SETUP = """
+from torch.utils.data import DataLoader, TensorDataset
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                          torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+mlp_opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
+points = TensorDataset(torch.randn(4096, 64), torch.randint(0, 8, (4096,)))
+loss_fn = torch.nn.CrossEntropyLoss()
+"""
+# An accumulation count under a name of the person's own, an `(i + 1) % n` test.
+ACCUM_ENUMERATE = """\
+accum = 2
+loader = DataLoader(points, batch_size=1024)
+for i, (xb, yb) in enumerate(loader):
+    loss = loss_fn(mlp(xb), yb) / accum
+    loss.backward()
+    if (i + 1) % accum == 0:
+        mlp_opt.step()
+        mlp_opt.zero_grad()
+"""
+# The person's counter is called `micro_step`, the name the product's own accumulation would take.
+ACCUM_COUNTER = """\
+every = 2
+micro_step = 0
+for xb, yb in DataLoader(points, batch_size=1024, shuffle=True):
+    (loss_fn(mlp(xb), yb) / every).backward()
+    micro_step += 1
+    if micro_step % every == 0:
+        mlp_opt.step()
+        mlp_opt.zero_grad()
+print(micro_step, "micro-steps")
+"""
+# Literal numbers only: the modulus and the loss's divisor.
+ACCUM_LITERAL = """\
+for batch_idx, (xb, yb) in enumerate(DataLoader(points, batch_size=1024)):
+    out = mlp(xb)
+    loss = loss_fn(out, yb) / 2
+    loss.backward()
+    if (batch_idx + 1) % 2 == 0:
+        mlp_opt.step()
+        mlp_opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [ACCUM_ENUMERATE, ACCUM_COUNTER, ACCUM_LITERAL],
+    ids=["named-accum", "micro-step-counter", "literal"],
+)
+def test_a_loop_with_its_own_accumulation_gets_it_scaled_and_keeps_its_steps_and_samples(
+    shell, run_cell, cell
+):
+    run_cell(ACCUM_SETUP)
+    fix, fitted, written, clicked = fail_then_click(shell, run_cell, cell, "mlp")
+    assert fix.kind == "batch" and fix.verdict == "fits", (fix.title, fix.verdict)
+    assert fitted.outcome == "ok", fitted.headline()
+    assert written == {"steps": 2, "samples": 4096} and clicked == written, (clicked, written, fitted.source)
