@@ -926,6 +926,33 @@ def loader_batch(source: str, namespace: Mapping, line: int | None) -> BatchGues
         size = _sampler_batch(namespace.get(name))
         if size is not None:
             return BatchGuess(f"{name}.batch_size", size, "loader", path=(name,))
+    return _handed_loader(source, namespace)
+
+
+def _handed_loader(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch of a loader made earlier that the cell hands to a trainer's ``fit`` (Lightning's
+    ``trainer.fit(model, train_loader)`` or ``train_dataloaders=``), which iterates it through its own
+    wrappers: its ``batch_size``, with the trainer's ``accumulate_grad_batches`` beside it. Read from
+    instance dicts only."""
+    tree = cell.tree_of(source)
+    if tree is None:
+        return None
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit"
+        ):
+            continue
+        owner = cell.dotted_name(node.func.value)
+        steps = instance_dict(namespace.get(owner)).get("accumulate_grad_batches") if owner else None
+        if type(steps) is not int or steps < 1:
+            continue
+        for arg in [*node.args, *(k.value for k in node.keywords)]:
+            if not isinstance(arg, ast.Name):
+                continue
+            size = _sampler_batch(namespace.get(arg.id))
+            if size is not None:
+                accumulation = (f"{owner}.accumulate_grad_batches", steps)
+                return BatchGuess(f"{arg.id}.batch_size", size, "loader", accumulation, path=(arg.id,))
     return None
 
 

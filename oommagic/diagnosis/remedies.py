@@ -425,8 +425,9 @@ def batch_source(
     accumulation was written). The cell's own setting or loop first, then the notebook functions that
     train, redefined at the top of the cell. The names the rewrite adds are fresh against the cell, those
     functions and ``taken`` (the namespace's names)."""
-    if guess.where == "attribute":
-        # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
+    if guess.where == "attribute" or (guess.where == "loader" and guess.accumulation is not None):
+        # A setting of an object, or a loader a trainer iterates: the retry sets it (and the accumulation
+        # beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
     written = guess.where in WRITTEN
     taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}

@@ -28,13 +28,15 @@ def clean(shell):
 
 
 @contextlib.contextmanager
-def counted(model: torch.nn.Module) -> Iterator[dict]:
+def counted(model: torch.nn.Module, training: bool = True) -> Iterator[dict]:
     """Optimizer steps and the rows of training forwards of ``model`` while the block runs (a forward run
-    again in the backward pass, activation checkpointing's, is the same samples)."""
+    again in the backward pass, activation checkpointing's, is the same samples); with ``training=False``
+    the rows of every forward (an evaluation's)."""
     work = {"steps": 0, "samples": 0}
 
     def forward(module, args, kwargs):
-        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        trains = module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        if trains or not training:
             first = next(v for v in [*args, *kwargs.values()] if torch.is_tensor(v))
             work["samples"] += int(first.shape[0])
 
@@ -52,14 +54,19 @@ def counted(model: torch.nn.Module) -> Iterator[dict]:
             hook.remove()
 
 
-def fail_then_click(shell, run_cell, cell: str, model: str, room: float = 0.6):
-    """Run ``cell`` once to size a limit (``room`` of what it grew by, above what was held), fail it under
-    that limit, press the report's first fix and count the work of the cell as written and of the click."""
-    with counted(shell.user_ns[model]) as written:
+def fail_then_click(
+    shell, run_cell, cell: str, model: str, room: float = 0.6, training: bool = True, between: str = ""
+):
+    """Run ``cell`` once to size a limit (``room`` of what it grew by, above what was held), run
+    ``between``, fail the cell under that limit, press the report's first fix and count the work of the
+    cell as written and of the click (``model``: the module whose forwards count, a dotted name)."""
+    module = eval(model, dict(shell.user_ns))
+    with counted(module, training) as written:
         run_cell("%%gpumem --quiet -o _probe_run\n" + cell)
     probe = shell.user_ns.pop("_probe_run")
     assert probe.outcome == "ok", probe.headline()
     limit = (probe.before_allocated + room * (probe.peak_allocated - probe.before_allocated)) / 2**20
+    run_cell(between)
     run_cell(f"%%gpumem --limit {limit:.3f}MiB --quiet --no-raise --plan-budget 60\n{cell}")
     failed = oommagic.history()[-1]
     assert failed.outcome == "oom", failed.headline()
@@ -68,7 +75,7 @@ def fail_then_click(shell, run_cell, cell: str, model: str, room: float = 0.6):
         failed.plan and [e.line() for e in failed.plan.entries]
     ]
     first = widget.fixes[0]
-    with counted(shell.user_ns[model]) as clicked:
+    with counted(module, training) as clicked:
         fitted = widget.click(first.kind)
     return first, fitted, written, clicked
 
@@ -164,7 +171,8 @@ ACCUM_SETUP = """
 from torch.utils.data import DataLoader, TensorDataset
 torch.manual_seed(0)
 mlp = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
-                          torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 8))
+                          torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                          torch.nn.Linear(512, 8))
 mlp_opt = torch.optim.SGD(mlp.parameters(), lr=0.01)
 points = TensorDataset(torch.randn(4096, 64), torch.randint(0, 8, (4096,)))
 loss_fn = torch.nn.CrossEntropyLoss()
@@ -217,3 +225,69 @@ def test_a_loop_with_its_own_accumulation_gets_it_scaled_and_keeps_its_steps_and
     assert fix.kind == "batch" and fix.verdict == "fits", (fix.title, fix.verdict)
     assert fitted.outcome == "ok", fitted.headline()
     assert written == {"steps": 2, "samples": 4096} and clicked == written, (clicked, written, fitted.source)
+
+
+# --- 2. a loader made in an earlier cell, handed to Lightning ------------------------------------------
+
+LIT_SETUP = """
+import lightning as L
+from torch.utils.data import DataLoader, TensorDataset
+import torch.nn.functional as F
+torch.manual_seed(0)
+class LitNet(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(),
+                                        torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1))
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.body(x).squeeze(-1), y)
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", F.mse_loss(self.body(x).squeeze(-1), y))
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+lit_net = LitNet()
+rows = TensorDataset(torch.randn(4096, 64), torch.randn(4096))
+train_loader = DataLoader(rows, batch_size=2048)
+scoring_loader = DataLoader(rows, batch_size=4096)
+"""
+LIT_TRAINER = """
+lit_trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, max_epochs=1)
+"""
+
+
+def test_a_loader_of_an_earlier_cell_handed_to_lightnings_fit_is_rebatched_with_accumulation(shell, run_cell):
+    pytest.importorskip("lightning")
+    run_cell(LIT_SETUP + LIT_TRAINER)
+    # The trainer has finished its one epoch after the sizing run: a new one, as a person would make.
+    fix, fitted, written, clicked = fail_then_click(
+        shell, run_cell, "lit_trainer.fit(lit_net, train_loader)", "lit_net.body", between=LIT_TRAINER
+    )
+    assert fix.kind == "batch" and fix.verdict == "fits" and "accumulate" in fix.title, (
+        fix.title,
+        fix.verdict,
+    )
+    assert fitted.outcome == "ok", fitted.headline()
+    assert written == {"steps": 2, "samples": 4096} and clicked == written, (clicked, written)
+    assert shell.user_ns["lit_trainer"].accumulate_grad_batches > 1
+
+
+def test_a_loader_of_an_earlier_cell_handed_to_lightnings_validate_is_rebatched_and_scores_every_row(
+    shell, run_cell
+):
+    pytest.importorskip("lightning")
+    run_cell(LIT_SETUP + LIT_TRAINER)
+    fix, fitted, written, clicked = fail_then_click(
+        shell,
+        run_cell,
+        "scores = lit_trainer.validate(lit_net, dataloaders=scoring_loader, verbose=False)",
+        "lit_net.body",
+        room=0.5,
+        training=False,
+    )
+    assert fix.kind in ("eval_batch", "batch") and fix.verdict == "fits", (fix.title, fix.verdict)
+    assert fitted.outcome == "ok", fitted.headline()
+    assert written["samples"] == 4096 and clicked == written, (clicked, written)
+    assert shell.user_ns["scores"][0]["val_mse"] > 0
