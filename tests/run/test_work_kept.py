@@ -238,7 +238,8 @@ class LitNet(L.LightningModule):
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(),
-                                        torch.nn.Linear(1024, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1))
+                                        torch.nn.Linear(1024, 1024), torch.nn.GELU(),
+                                        torch.nn.Linear(1024, 1))
     def training_step(self, batch, batch_idx):
         x, y = batch
         return F.mse_loss(self.body(x).squeeze(-1), y)
