@@ -157,6 +157,8 @@ class _Measure:
                 entry = self.entry((remedy,))
                 if remedy.kind == "split_rows":
                     entry = self.smaller_chunks(entry)
+                if remedy.kind == "eval_batch":
+                    entry = self.smaller_eval_batches(entry)
             except SnapshotTooLarge:
                 raise  # no trial can run: the whole plan says why
             except Exception as err:  # its setting could not be put in force (an object the cell dropped)
@@ -197,6 +199,22 @@ class _Measure:
             if entry.verdict != DOES_NOT_FIT or entry.note or call is None or chunk < 1 or self.left() <= 0:
                 break
             entry = self.entry((fix.split_rows(ctx, figures(self.run.report, ctx), call, chunk),))
+        return entry
+
+    def smaller_eval_batches(self, entry: PlanEntry) -> PlanEntry:
+        """An evaluation batch that still ran out, halved again until it fits or reaches 1: its first size
+        came from halving once, and the failed run's figures are a lower bound (a Lightning ``validate``
+        whose loader came from an earlier cell needed an eighth of the batch). Each trial runs the whole
+        evaluation, every row of it."""
+        from ..diagnosis import remedies as fix
+
+        ctx = self.run.context
+        found = ctx.eval_batch if ctx is not None else None
+        while found is not None and entry.verdict == DOES_NOT_FIT and not entry.note and self.left() > 0:
+            new = entry.fixes[0].params.get("new", 1) // 2
+            if new < 1:
+                break
+            entry = self.entry((fix.eval_batch(ctx, figures(self.run.report, ctx), found, new),))
         return entry
 
     def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
