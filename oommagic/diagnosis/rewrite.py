@@ -162,16 +162,19 @@ def _own_accumulation_edits(
                 edits.append((*src.span(bound[0].value), str(int_literal(bound[0].value) * accumulate)))
             continue
         value = int_literal(every)
-        atomic = isinstance(every, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
-        text = src.segment(every) if atomic else f"({src.segment(every)})"
-        edits.append(
-            (*src.span(every), str(value * accumulate) if value is not None else f"{text} * {accumulate}")
-        )
+        # `% accum` → `% (accum * 4)`: `%` and `*` bind alike, left to right.
+        scaled = str(value * accumulate) if value is not None else f"({src.segment(every)} * {accumulate})"
+        edits.append((*src.span(every), scaled))
         if id(backward) not in done:
             done.add(id(backward))
             loss = _loss_of(backward)
-            loss_text = f"{src.segment(loss)} / {accumulate}"
-            edits.append((*src.span(loss), f"({loss_text})" if loss is backward.func.value else loss_text))
+            bare = isinstance(loss, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+            product = isinstance(loss, ast.BinOp) and isinstance(loss.op, (ast.Mult, ast.Div))
+            text = src.segment(loss) if bare or product else f"({src.segment(loss)})"
+            loss_text = f"{text} / {accumulate}"
+            # `loss.backward()` needs parentheses around the division; `(a / 2).backward()` has them.
+            wrap = loss is backward.func.value and bare
+            edits.append((*src.span(loss), f"({loss_text})" if wrap else loss_text))
     return edits
 
 

@@ -1,0 +1,105 @@
+"""Rewrites that keep the cell's work, on text: a step whose batch the cell slices off a tensor, and a loop
+that accumulates gradients with its own counter."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from oommagic.diagnosis.context import sliced_first
+from oommagic.diagnosis.rewrite import micro_batch_source, own_accumulation, rewrite_batch
+from oommagic.diagnosis.source import BatchGuess, find_batch, whole_step
+from oommagic.diagnosis.source.slices import rows_taken
+
+
+@pytest.mark.parametrize(
+    "expr, rows",
+    [
+        ("stream[it * mb:(it + 1) * mb].to(device)", "mb"),
+        ("X[mb * it:mb * (it + 1)]", "mb"),
+        ("X[i:i + b]", "b"),
+        ("X[i:b + i].cuda()", "b"),
+        ("corpus[pos:pos + window]", "window"),
+        ("torch.randperm(n)[:b]", "b"),
+        ("data[k * cfg.bs:(k + 1) * cfg.bs]", "cfg.bs"),
+        ("data[:, :-1]", None),
+        ("data[:-1]", None),
+        ("data[0]", None),
+        ("data[i:j]", None),
+        ("data[::2]", None),
+    ],
+)
+def test_the_rows_a_slice_takes_are_read_in_every_spelling(expr, rows):
+    found = rows_taken(ast.parse(expr, mode="eval").body, {})
+    assert (ast.unparse(found) if found is not None else None) == rows
+
+
+PERMUTED = """\
+n_batch = 2048
+for step in range(2):
+    idx = torch.randperm(len(feats))[:n_batch]
+    xb, yb = feats[idx], labels[idx]
+    sgd.zero_grad()
+    loss = F.cross_entropy(clf(xb), yb)
+    loss.backward()
+    sgd.step()
+"""
+
+
+def test_a_step_on_rows_picked_by_a_cut_permutation_runs_on_micro_batches_of_them():
+    step = whole_step(PERMUTED)
+    assert [(n, ast.unparse(e)) for n, e in step.sizes] == [("xb", "n_batch"), ("yb", "n_batch")]
+    new = micro_batch_source(PERMUTED, ("xb", "yb"), 2048, 512)
+    # The permutation is drawn once per step, as before; the step's update sums its four micro-batches.
+    assert new.count("torch.randperm") == 1 and new.count("sgd.step()") == 1, new
+    assert "for xb_rows, yb_rows in zip(xb.tensor_split(4), yb.tensor_split(4)):" in new
+    assert "(loss * len(xb_rows) / len(xb)).backward()" in new
+    assert new.index("sgd.zero_grad()") < new.index("for xb_rows")
+
+
+def test_a_range_stepping_by_the_batch_keeps_its_own_rewrite_and_slices_elsewhere_get_micro_batches():
+    stepping = "bs = 64\nfor i in range(0, len(X), bs):\n    xb = X[i:i + bs]\n    net(xb).sum().backward()\n"
+    named = find_batch(stepping)
+    sliced = BatchGuess("bs", 64, "rows", path=("xb",))
+    assert sliced_first(stepping, named, sliced) is named
+    counted = (
+        "bs = 64\nfor it in range(3):\n    xb = X[it * bs:(it + 1) * bs]\n    net(xb).sum().backward()\n"
+    )
+    assert sliced_first(counted, find_batch(counted), sliced) is sliced
+    assert sliced_first(counted, None, sliced) is sliced
+
+
+OWN_NAMED = """\
+accum = 2
+for i, (xb, yb) in enumerate(DataLoader(points, batch_size=1024)):
+    loss = loss_fn(mlp(xb), yb) / accum
+    loss.backward()
+    if (i + 1) % accum == 0:
+        opt.step()
+        opt.zero_grad()
+"""
+OWN_LITERAL = """\
+for j, (xb, yb) in enumerate(DataLoader(points, batch_size=1024)):
+    out = mlp(xb)
+    (loss_fn(out, yb) / 2).backward()
+    if (j + 1) % 2 == 0:
+        opt.step()
+        opt.zero_grad()
+"""
+
+
+def test_a_loops_own_accumulation_is_scaled_and_no_second_counter_is_added():
+    guess = find_batch(OWN_NAMED)
+    assert [ast.unparse(n) for n, _ in own_accumulation(ast.parse(OWN_NAMED))] == ["accum"]
+    new = rewrite_batch(OWN_NAMED, guess, 256, accumulate=4)
+    assert "accum = 8" in new and "batch_size=256" in new and "micro_step" not in new, new
+    literal = rewrite_batch(OWN_LITERAL, find_batch(OWN_LITERAL), 256, accumulate=4)
+    assert "(j + 1) % 8 == 0" in literal and "(loss_fn(out, yb) / 2 / 4).backward()" in literal, literal
+    assert "micro_step" not in literal
+
+
+def test_an_accumulation_count_read_from_the_namespace_is_scaled_where_the_loop_tests_it():
+    cell = OWN_NAMED.replace("accum = 2\n", "")
+    new = rewrite_batch(cell, find_batch(cell), 256, accumulate=4)
+    assert "if (i + 1) % (accum * 4) == 0:" in new and "(loss / 4).backward()" in new, new
