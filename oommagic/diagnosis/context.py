@@ -937,16 +937,20 @@ def _handed_loader(source: str, namespace: Mapping) -> BatchGuess | None:
     tree = cell.tree_of(source)
     if tree is None:
         return None
+    # A trainer the cell makes itself is made again by every run: a setting of the old one is lost.
+    made = {s.name for s in cell.binding_sites(tree) if s.keyword is None}
     for node in ast.walk(tree):
         if not (
             isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit"
         ):
             continue
         owner = cell.dotted_name(node.func.value)
-        steps = instance_dict(namespace.get(owner)).get("accumulate_grad_batches") if owner else None
+        held = namespace.get(owner) if owner not in made else None
+        steps = instance_dict(held).get("accumulate_grad_batches")
         if type(steps) is not int or steps < 1:
             continue
-        for arg in [*node.args, *(k.value for k in node.keywords)]:
+        # The training loaders only: `val_dataloaders=` feeds the validation between epochs.
+        for arg in [*node.args[1:2], *(k.value for k in node.keywords if k.arg == "train_dataloaders")]:
             if not isinstance(arg, ast.Name):
                 continue
             size = _sampler_batch(namespace.get(arg.id))

@@ -103,3 +103,35 @@ def test_an_accumulation_count_read_from_the_namespace_is_scaled_where_the_loop_
     cell = OWN_NAMED.replace("accum = 2\n", "")
     new = rewrite_batch(cell, find_batch(cell), 256, accumulate=4)
     assert "if (i + 1) % (accum * 4) == 0:" in new and "(loss / 4).backward()" in new, new
+
+
+class _Trainer:
+    """Stands for any trainer that keeps its accumulation as a plain attribute, as Lightning's does."""
+
+    def __init__(self) -> None:
+        self.accumulate_grad_batches = 1
+
+
+def test_the_training_loader_handed_to_a_trainers_fit_is_its_batch_with_its_accumulation():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from oommagic.diagnosis.context import loader_batch
+
+    data = TensorDataset(torch.zeros(8, 2))
+    ns = {
+        "tr": _Trainer(),
+        "train_dl": DataLoader(data, batch_size=4),
+        "val_dl": DataLoader(data, batch_size=8),
+    }
+    for cell in (
+        "tr.fit(model, train_dl, val_dl)",
+        "tr.fit(model, val_dataloaders=val_dl, train_dataloaders=train_dl)",
+    ):
+        guess = loader_batch(cell, ns, None)
+        assert guess == BatchGuess(
+            "train_dl.batch_size", 4, "loader", ("tr.accumulate_grad_batches", 1), path=("train_dl",)
+        )
+    assert loader_batch("tr.fit(model, val_dataloaders=val_dl)", ns, None) is None
+    # A trainer the cell makes is made again by every run: no setting of the old one holds.
+    assert loader_batch("tr = make_trainer()\ntr.fit(model, train_dl)", ns, None) is None
