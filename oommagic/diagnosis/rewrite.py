@@ -701,7 +701,8 @@ def micro_batch_source(
 ) -> str | None:
     """The cell with its training step on whole tensors (``whole_step``) run on micro-batches of at most
     ``most`` of their ``rows``: the statements from the forward pass to the backward pass loop over
-    ``zip(X.tensor_split(k), y.tensor_split(k))`` with ``names`` read through their micro-batch, each
+    ``zip(X.tensor_split(k), y.tensor_split(k))`` (rows the step slices itself: ``chunk.split(most)``)
+    with ``names`` read through their micro-batch, each
     micro-batch's loss weighted by its share of the rows (its mean over all of them, as before), the
     gradients summed by the backward passes; ``zero_grad()`` before the micro-batches and the optimizer's
     ``step()`` after them run once per step, as before. Lines after the backward pass that read both what
@@ -753,7 +754,10 @@ def micro_batch_source(
     top, bottom = span[0].lineno - 1, span[-1].end_lineno
     taken_lines = {i for m in moved for i in range(m.lineno - 1, m.end_lineno)}
     targets = ", ".join(chunk[n] for n in names)
-    splits = [f"{n}.tensor_split({parts})" for n in names]
+    # Rows a step slices itself can come short (the last slice of the data): `split` by the most rows
+    # never makes an empty micro-batch, whose mean loss would be NaN; whole tensors split evenly.
+    sliced = set(names) <= {n for n, _ in step.sizes}
+    splits = [f"{n}.split({most})" if sliced else f"{n}.tensor_split({parts})" for n in names]
     over = splits[0] if len(names) == 1 else f"zip({', '.join(splits)})"
     body = [
         f"    {line}" if line.strip() else line

@@ -1,13 +1,16 @@
-"""Rewrites that keep the cell's work, on text: a step whose batch the cell slices off a tensor, and a loop
-that accumulates gradients with its own counter."""
+"""Rewrites that keep the cell's work, read and written on text (one also run, for its update): a step
+whose batch the cell slices off a tensor, a loop that accumulates gradients with its own counter, and the
+training loader handed to a trainer's fit."""
 
 from __future__ import annotations
 
 import ast
 
 import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
 
-from oommagic.diagnosis.context import sliced_first
+from oommagic.diagnosis.context import loader_batch, sliced_first
 from oommagic.diagnosis.rewrite import micro_batch_source, own_accumulation, rewrite_batch
 from oommagic.diagnosis.source import BatchGuess, find_batch, whole_step
 from oommagic.diagnosis.source.slices import rows_taken
@@ -53,7 +56,7 @@ def test_a_step_on_rows_picked_by_a_cut_permutation_runs_on_micro_batches_of_the
     new = micro_batch_source(PERMUTED, ("xb", "yb"), 2048, 512)
     # The permutation is drawn once per step, as before; the step's update sums its four micro-batches.
     assert new.count("torch.randperm") == 1 and new.count("sgd.step()") == 1, new
-    assert "for xb_rows, yb_rows in zip(xb.tensor_split(4), yb.tensor_split(4)):" in new
+    assert "for xb_rows, yb_rows in zip(xb.split(512), yb.split(512)):" in new
     assert "(loss * len(xb_rows) / len(xb)).backward()" in new
     assert new.index("sgd.zero_grad()") < new.index("for xb_rows")
 
@@ -113,10 +116,6 @@ class _Trainer:
 
 
 def test_the_training_loader_handed_to_a_trainers_fit_is_its_batch_with_its_accumulation():
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from oommagic.diagnosis.context import loader_batch
 
     data = TensorDataset(torch.zeros(8, 2))
     ns = {
@@ -135,3 +134,29 @@ def test_the_training_loader_handed_to_a_trainers_fit_is_its_batch_with_its_accu
     assert loader_batch("tr.fit(model, val_dataloaders=val_dl)", ns, None) is None
     # A trainer the cell makes is made again by every run: no setting of the old one holds.
     assert loader_batch("tr = make_trainer()\ntr.fit(model, train_dl)", ns, None) is None
+
+
+SHORT_LAST = """\
+b = 4
+for it in range(3):
+    xb = X[it * b:(it + 1) * b]
+    loss = ((net(xb) - xb.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+"""
+
+
+def test_micro_batches_of_sliced_rows_make_the_same_update_also_where_the_last_slice_is_short():
+    def run(cell: str) -> torch.Tensor:
+        torch.manual_seed(0)
+        net = torch.nn.Linear(3, 1)
+        ns = {"X": torch.randn(10, 3), "net": net, "opt": torch.optim.SGD(net.parameters(), lr=0.1)}
+        exec(cell, ns)
+        return net.weight.detach()
+
+    step = whole_step(SHORT_LAST)
+    new = micro_batch_source(SHORT_LAST, tuple(n for n, _ in step.sizes), 4, 3)
+    # The third slice has 2 rows: split by 3 gives one micro-batch of 2, no empty one.
+    assert "for xb_rows in xb.split(3):" in new, new
+    torch.testing.assert_close(run(new), run(SHORT_LAST))
