@@ -805,6 +805,15 @@ def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) ->
         for k in node.keywords
         if k.arg == keyword and isinstance(k.value, ast.Name) and k.value.id == variable
     ]
+    # Passed by position (`trainer.validate(model, val_loader)`): where that method takes ``keyword``.
+    at = {"dataloaders": ("validate", "test", "predict"), "val_dataloaders": ("fit",)}.get(keyword, ())
+    edits += [
+        (*src.span(a), new)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in at
+        for a in node.args[(2 if node.func.attr == "fit" else 1) :][:1]
+        if isinstance(a, ast.Name) and a.id == variable
+    ]
     if not edits:
         return None
     return _checked(("" if _names_torch(tree) else "import torch\n") + _apply(source, edits))

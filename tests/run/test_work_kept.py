@@ -276,15 +276,18 @@ def test_a_loader_of_an_earlier_cell_handed_to_lightnings_fit_is_rebatched_with_
     assert shell.user_ns["lit_trainer"].accumulate_grad_batches > 1
 
 
+@pytest.mark.parametrize(
+    "passed", ["dataloaders=scoring_loader", "scoring_loader"], ids=["keyword", "position"]
+)
 def test_a_loader_of_an_earlier_cell_handed_to_lightnings_validate_is_rebatched_and_scores_every_row(
-    shell, run_cell
+    shell, run_cell, passed
 ):
     pytest.importorskip("lightning")
     run_cell(LIT_SETUP + LIT_TRAINER)
     fix, fitted, written, clicked = fail_then_click(
         shell,
         run_cell,
-        "scores = lit_trainer.validate(lit_net, dataloaders=scoring_loader, verbose=False)",
+        f"scores = lit_trainer.validate(lit_net, {passed}, verbose=False)",
         "lit_net.body",
         room=0.2,  # an eighth of the batch or less: the search halves more than once
         training=False,
