@@ -69,7 +69,11 @@ def rewrite_batch(
         )
         if not nodes:
             return None
-        return _checked(_apply(source, [(*src.span(n), str(new_value)) for n in nodes]))
+        edits = [(*src.span(n), str(new_value)) for n in nodes]
+        if accumulate > 1:
+            # An accumulation the cell writes itself scales with the smaller batch here too.
+            edits.extend(_accumulation_edits(src, tree, binding_sites(tree), [], accumulate))
+        return _checked(_apply(source, edits))
     sites = binding_sites(tree)
     batch = [s for s in sites if s.name == guess.name and int_literal(s.value) is not None]
     batch = [s for s in batch if int_literal(s.value) == guess.value] or batch

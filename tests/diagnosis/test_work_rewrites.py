@@ -160,3 +160,10 @@ def test_micro_batches_of_sliced_rows_make_the_same_update_also_where_the_last_s
     # The third slice has 2 rows: split by 3 gives one micro-batch of 2, no empty one.
     assert "for xb_rows in xb.split(3):" in new, new
     torch.testing.assert_close(run(new), run(SHORT_LAST))
+
+
+def test_an_accumulation_beside_a_batch_read_from_a_dict_is_scaled_with_it():
+    cell = OWN_LITERAL.replace("batch_size=1024", 'batch_size=cfg["batch_size"]')
+    guess = BatchGuess("cfg['batch_size']", 1024, "expression", path=("cfg", "batch_size"))
+    new = rewrite_batch(cell, guess, 256, accumulate=4)
+    assert "batch_size=256" in new and "(j + 1) % 8 == 0" in new and "/ 2 / 4" in new, new
