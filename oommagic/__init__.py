@@ -23,6 +23,7 @@ __all__ = [
     "parse_oom",
     "parse_size",
     "rank_recorder",
+    "rebatched",
     "report_widget",
 ]
 
@@ -42,6 +43,16 @@ def rank_recorder(index: int | None = None):
     from .run.rank_process import rank_recorder as recorder
 
     return recorder(index)
+
+
+def rebatched(loader, batch_size: int):
+    """A copy of ``loader`` (a ``DataLoader``, one wrapped by accelerate's ``prepare``, a batch sampler)
+    whose batches hold ``batch_size`` samples: same dataset, sampler and order, collation and wrapper;
+    ``loader`` itself is left as it is. A fix written into a cell re-batches a loader an earlier cell made
+    with it: ``train_loader = oommagic.rebatched(train_loader, 8)``."""
+    from .run.fixes import rebatched as copy_with
+
+    return copy_with(loader, batch_size)
 
 
 def report_widget():

@@ -23,3 +23,5 @@ c.LabApp.expose_app_in_browser = True
 # No news or update checks reaching out to the internet during tests.
 c.LabApp.news_url = None
 c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
+# Notebook 7's page (the `notebook` package, served by the same server) exposes its app the same way.
+c.JupyterNotebookApp.expose_app_in_browser = True

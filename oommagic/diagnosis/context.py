@@ -31,6 +31,7 @@ from .findings import (
     DiagnosisContext,
     EvalLoader,
     Frame,
+    Gathered,
     Kept,
     Leftover,
     Loading,
@@ -39,12 +40,14 @@ from .findings import (
     Pin,
     RowsCall,
 )
+from .gathered import trainer_gathered
 from .holdings import (
     IPYTHON_NAME,
     SKIPPED_TYPES,
     Reader,
     Storages,
     checkpointing_enabled,
+    has_graph,
     held_by,
     instance_dict,
     model_infos,
@@ -101,6 +104,7 @@ class NamespaceScan:
     transformers_version: str | None = None
     computation: Computation | None = None
     eval_loader: EvalLoader | None = None
+    gathered: Gathered | None = None
     kv_backends: tuple[str, ...] | None = None
     batch_shape: tuple[str, int, int] | None = None
     rows_call: RowsCall | None = None
@@ -160,6 +164,7 @@ def scan_namespace(
             transformers_version=_version("transformers"),
             computation=_quietly(read_computation, error),
             eval_loader=_quietly(lightning_loader, error, namespace, source),
+            gathered=_quietly(trainer_gathered, error, namespace, device),
             kv_backends=_quietly(quantized_cache_backends) if generation else None,
             batch_shape=_quietly(batch_shape, source, [*scopes, namespace]),
             names=frozenset(k for k in namespace if isinstance(k, str)),
@@ -291,7 +296,7 @@ def kept_holdings(source: str, scopes: list[Mapping], device: Any) -> tuple[Kept
         for t in tensors:
             with contextlib.suppress(Exception):
                 tensor_storages(t, device, storages)
-        graphs = sum(1 for t in tensors if t.grad_fn is not None)
+        graphs = sum(1 for t in tensors if has_graph(t))
         found.append(Kept(holder, len(tensors), sum(storages.values()), graphs, tensors[0].dim()))
     return tuple(found)
 
@@ -475,6 +480,7 @@ def make_context(
         evaluating=evaluating,
         eval_batch=_eval_batch(source, line, scan.eval_loader) if evaluating else None,
         eval_loader=scan.eval_loader if evaluating else None,
+        gathered=scan.gathered,
         kv_backends=scan.kv_backends,
         batch_shape=scan.batch_shape,
         rows_call=scan.rows_call,
@@ -873,22 +879,59 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
         if module is not None and not isinstance(module, tuples):
             modules.add(dotted)
     expr = cell.rows_expression(source, line, frozenset(modules))
+    inlined = (
+        cell.inlined_product(source, line, modules=frozenset(modules))
+        if expr is None or _bare(expr)
+        else None
+    )
+    if inlined is not None:
+        # The failing line binds a whole product that one later expression reduces row by row: that
+        # expression, with the product written into it, runs on chunks (the rows call reads it there).
+        source, _, read_line = inlined
+        expr = cell.rows_expression(source, read_line, frozenset(modules))
     if expr is None:
         return None
     found = cell.row_wise(expr, frozenset(modules))
     assert found is not None
     value = namespace.get(found.spine.id)
+    if found.splat:
+        value = _rows_of_dict(value)
     if not isinstance(value, torch.Tensor) or value.dim() < 1 or value.shape[0] < 2:
         return None
     if found.module is None and value.requires_grad:
         return None  # each chunk's graph would stay with the joined output
-    bare = isinstance(expr, ast.BinOp) or (
-        isinstance(expr, ast.Call) and cell.dotted_name(expr.func).rsplit(".", 1)[-1] in cell.ROW_PRODUCTS
-    )
-    if found.module is None and bare:
+    if found.module is None and _bare(expr):
         return None  # a product kept whole: the joined chunks are as large as it
     text = cell.SourceText(source)
-    return RowsCall(found.module or "", found.spine.id, int(value.shape[0]), expr.lineno, text.segment(expr))
+    return RowsCall(
+        found.module or "",
+        found.spine.id,
+        int(value.shape[0]),
+        line if inlined is not None else expr.lineno,
+        text.segment(expr),
+        inlined[1] if inlined is not None else "",
+    )
+
+
+def _rows_of_dict(value: Any) -> Any:
+    """The first tensor of a dict of tensors with as many rows each (a tokenizer's output), read through
+    ``dict.values`` (a ``BatchEncoding`` keeps its own dict in ``data``); None for anything else."""
+    import torch
+
+    data = instance_dict(value).get("data") if not isinstance(value, dict) else value
+    if not isinstance(data, dict) or not data:
+        return None
+    tensors = list(dict.values(data))
+    if not all(type(t) is torch.Tensor and t.dim() >= 1 for t in tensors):
+        return None
+    return tensors[0] if len({t.shape[0] for t in tensors}) == 1 else None
+
+
+def _bare(expr: ast.expr) -> bool:
+    """Whether ``expr`` is a product and nothing after it (``X @ W``, ``torch.cdist(Q, K)``)."""
+    return isinstance(expr, ast.BinOp) or (
+        isinstance(expr, ast.Call) and cell.dotted_name(expr.func).rsplit(".", 1)[-1] in cell.ROW_PRODUCTS
+    )
 
 
 def default_batch(source: str, namespace: Mapping) -> BatchGuess | None:

@@ -22,6 +22,7 @@ __all__ = [
     "Figures",
     "Finding",
     "Frame",
+    "Gathered",
     "Kept",
     "Leftover",
     "Loading",
@@ -187,6 +188,51 @@ class EvalLoader:
 
 
 @dataclass(frozen=True)
+class Gathered:
+    """What a Hugging Face Trainer's evaluation loop had gathered on the device when the run failed, read
+    from its frame: it keeps every batch's predictions (and labels) there until the loop ends, or until
+    ``eval_accumulation_steps`` batches moved them to the host.
+
+    ``method``: ``"evaluate"`` or ``"predict"``; ``bytes``: the gathered tensors on the device;
+    ``steps``/``rows``: batches and rows gathered; ``total_steps``/``total_rows``: the whole evaluation's
+    (None where the loader has no length); ``shape``/``element_size``: the gathered predictions' (the
+    first tensor where there are several); ``accumulation``: ``args.eval_accumulation_steps``;
+    ``trainer``/``args``: the names the namespace binds to the Trainer and to its arguments (None where it
+    binds none: the cell made them); ``labels``: the labels are gathered too."""
+
+    method: str
+    bytes: int
+    steps: int
+    rows: int
+    total_steps: int | None = None
+    total_rows: int | None = None
+    shape: tuple[int, ...] = ()
+    element_size: int = 4
+    accumulation: int | None = None
+    trainer: str | None = None
+    args: str | None = None
+    labels: bool = True  # the labels are gathered beside the predictions
+
+    @property
+    def per_step(self) -> int:
+        return self.bytes // max(self.steps, 1)
+
+    @property
+    def whole(self) -> int | None:
+        """What the whole evaluation would gather at the same bytes per row."""
+        if self.total_rows and self.rows:
+            return self.bytes * self.total_rows // self.rows
+        if self.total_steps:
+            return self.per_step * self.total_steps
+        return None
+
+    def shape_words(self, rows: int | None = None) -> str:
+        """'96 × 64 × 3,000 × 4 bytes' (rows × the rest × bytes per value) for ``rows`` rows."""
+        dims = (rows if rows is not None else self.rows, *self.shape[1:])
+        return " × ".join(f"{d:,}" for d in dims) + f" × {self.element_size} bytes"
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """A model in the namespace; ``dtype`` as torch spells it without ``torch.`` (``"float32"``)."""
 
@@ -229,6 +275,9 @@ class RowsCall:
     rows: int
     line: int
     expr: str = ""
+    # A whole product bound to a name the expression reads once (``dist = torch.cdist(Q, K)``), written
+    # into it by the rewrite (``source.inlined_product``); "" where the expression is on the failing line.
+    inlined: str = ""
 
     @property
     def expression(self) -> str:
@@ -293,6 +342,7 @@ class DiagnosisContext:
     transformers_version: str | None = None
     request: Request | None = None  # the one allocation that failed, where the failing frames name it
     eval_loader: EvalLoader | None = None  # where a Lightning evaluation that failed got its loader
+    gathered: Gathered | None = None  # what a Trainer's evaluation loop gathered on the device
     # backends of transformers' quantized KV cache usable here, best first (None: no quantized cache)
     kv_backends: tuple[str, ...] | None = None
     # (name, samples, tokens) of the batch a training loop of the cell held when it failed

@@ -227,6 +227,24 @@ def _classify(tp: type) -> int:
     return _OBJECT
 
 
+def is_leaf(t: Any) -> bool:
+    """``t.is_leaf``, never raising: a view of a multi-output op (``mu, logvar = h.chunk(2)``) whose base was
+    written in place cannot rebuild its ``grad_fn`` and raises on ``is_leaf``; it has a graph, so it is no
+    leaf (seen on an H100: a VAE's namespace refused every trial)."""
+    try:
+        return t.is_leaf
+    except RuntimeError:
+        return False
+
+
+def has_graph(t: Any) -> bool:
+    """Whether ``t`` carries an autograd graph, never raising (see ``is_leaf``)."""
+    try:
+        return t.grad_fn is not None
+    except RuntimeError:
+        return True
+
+
 def _tensor_into(t: Any, on: Any, into: Storages) -> None:
     _tensors_into((t,), on, into)
 
@@ -235,7 +253,7 @@ def _tensors_into(tensors: Iterable, on: Any, into: Storages) -> None:
     """Add the storages of ``tensors`` (and, for leaves, their ``.grad``) that ``on`` accepts to ``into``."""
     for t in tensors:
         # `.grad` of a non-leaf tensor warns and is always None.
-        grad = t.grad if t.is_leaf else None
+        grad = t.grad if is_leaf(t) else None
         if grad is not None:
             _tensors_into((grad,), on, into)
         if not on(t):

@@ -13,8 +13,9 @@ Adding a kind of fix:
 2. **Finding**: the evidence in numbers, in ``rules.py`` (one rule, its ``Finding`` with the remedies).
 3. **Builder**: the ``Remedy`` in ``remedies.py``: title, why, the snippet, ``params`` (JSON-able) and
    ``new_source`` (the whole cell rewritten, by a writer in ``rewrite.py``).
-4. **Row**: ``FixKind(...)`` below: its tier, ``trial``, ``reaches_ranks``, ``rewrite`` (made again from
-   ``params``), ``hold`` (a name in ``run.fixes.HOLDS``) and ``frees``.
+4. **Row**: ``FixKind(...)`` below: its tier, ``trial``, ``reaches_ranks`` (``ALWAYS``, ``REWRITTEN``,
+   ``NEVER``: a setting held in this process never reaches the ranks a cell starts), ``rewrite`` (made
+   again from ``params``), ``hold`` (a name in ``run.fixes.HOLDS``) and ``frees``.
 5. **Tests**: the reader and the rewrite on text (``tests/diagnosis``), the finding on figures, and a real
    failing cell in CPU mode whose plan measures the fix and whose first click fits (``tests/run``).
 """
@@ -29,6 +30,7 @@ from .remedies import WRITTEN, batch_source, loader_source, step_per_tensor_sour
 from .rewrite import (
     checkpoint_calls_source,
     default_dtype_source,
+    eval_accumulation_source,
     factored_optimizer_source,
     keep_last_logits_source,
     keep_numbers_source,
@@ -42,10 +44,12 @@ from .rewrite import (
     split_rows_source,
     truncate_source,
 )
-from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal
+from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal, inlined_product
 
 # What a fix changes beyond memory, the plan's first order among fixes that fit.
 SAME, NUMERICS, COMPUTED = 0, 1, 2
+# Whether a fix reaches the ranks a distributed cell starts (``FixKind.reaches_ranks``).
+ALWAYS, REWRITTEN, NEVER = "always", "rewritten", "never"
 Helpers = tuple[tuple[str, str], ...]
 
 
@@ -60,16 +64,20 @@ class FixKind:
     ``tier``: ``SAME`` (a setting, recomputation, the same samples per step), ``NUMERICS`` (lower
     precision) or ``COMPUTED`` (less is computed: a smaller effective batch, shorter inputs or outputs);
     ``tier_of`` refines it from a remedy's params. ``trial``: a trial in this process can measure it (not a
-    restart, another process or another GPU). ``reaches_ranks``: a retry of a distributed cell applies it
-    in every rank. ``rewrite``: the cell with the fix written again from its params (None: the fix is not
-    in the source). ``hold``: the name of the setting a run holds while it is in force
-    (``run.fixes.HOLDS``). ``frees``: what applying it frees once, ``"names"`` or ``"pinned"``.
+    restart, another process or another GPU). ``reaches_ranks``: whether a retry of a distributed cell (and a
+    trial, which relaunches its ranks) applies it in every rank: ``ALWAYS`` (a value the cell hands its
+    ranks, the kernel's own leftovers), ``REWRITTEN`` (where its change is a rewrite of the cell: the rank
+    functions the cell defines run the rewritten code; not where it is a setting held in this process) or
+    ``NEVER`` (a setting of this kernel's process, or an act outside it: the ranks are other processes;
+    ``reaches_ranks()`` decides for one remedy). ``rewrite``: the cell with the fix written again from
+    its params (None: the fix is not in the source). ``hold``: the name of the setting a run holds while
+    it is in force (``run.fixes.HOLDS``). ``frees``: what applying it frees once, ``"names"`` or ``"pinned"``.
     """
 
     name: str
     tier: int
     trial: bool = True
-    reaches_ranks: bool = False
+    reaches_ranks: str = REWRITTEN
     rewrite: Callable[[str, Remedy, Helpers], str] | None = None
     hold: str | None = None
     frees: str | None = None
@@ -81,7 +89,7 @@ class FixKind:
 
 def _batch(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
-    if p.get("where") not in WRITTEN:
+    if p.get("where") not in (*WRITTEN, "loader"):
         return source
     guess = BatchGuess(p["name"], p["old"], p["where"], path=tuple(p.get("path", ())))
     taken = taken_then(r.new_source or "")
@@ -129,6 +137,10 @@ def _offload(source: str, r: Remedy, helpers: Helpers) -> str:
 def _split_rows(source: str, r: Remedy, helpers: Helpers) -> str:
     p = r.params
     expr = p.get("expr") or f"{p['func']}({p['arg']})"
+    modules = frozenset({p.get("func", "")} - {""})
+    inlined = inlined_product(source, name=p["inlined"], modules=modules) if p.get("inlined") else None
+    if inlined is not None:
+        source = inlined[0]
     return split_rows_source(source, expr, p["arg"], p["chunk"], p.get("func", "")) or source
 
 
@@ -158,16 +170,20 @@ def _outlier_tier(r: Remedy) -> int:
 KINDS: dict[str, FixKind] = {
     k.name: k
     for k in (
-        FixKind("batch", COMPUTED, reaches_ranks=True, rewrite=_batch, hold="batch", tier_of=_batch_tier),
-        FixKind("autocast", NUMERICS, hold="autocast"),
-        FixKind("expandable_segments", SAME, hold="expandable_segments"),
-        FixKind("max_split_size", SAME, trial=False),
-        FixKind("empty_cache", SAME, hold="empty_cache"),
+        FixKind("batch", COMPUTED, reaches_ranks=ALWAYS, rewrite=_batch, hold="batch", tier_of=_batch_tier),
+        # Settings of this kernel's process: the ranks are other processes.
+        FixKind("autocast", NUMERICS, reaches_ranks=NEVER, hold="autocast"),
+        FixKind("expandable_segments", SAME, reaches_ranks=NEVER, hold="expandable_segments"),
+        FixKind("max_split_size", SAME, trial=False, reaches_ranks=NEVER),
+        FixKind("empty_cache", SAME, reaches_ranks=NEVER, hold="empty_cache"),
+        # Rewritten (a block's forward under checkpoint, TrainingArguments) it reaches; switched on for a
+        # model of this kernel's namespace (held), it does not.
         FixKind("checkpointing", SAME, rewrite=_checkpointing, hold="checkpointing"),
-        FixKind("free_leftovers", SAME, reaches_ranks=True, frees="names"),
-        FixKind("free_pinned", SAME, frees="pinned"),
-        FixKind("quantize", NUMERICS, rewrite=_quantize, hold="autocast"),
-        FixKind("offload", SAME, trial=False, rewrite=_offload),
+        FixKind("free_leftovers", SAME, reaches_ranks=ALWAYS, frees="names"),
+        FixKind("free_pinned", SAME, reaches_ranks=NEVER, frees="pinned"),
+        # Its rewrite needs the autocast held in this process beside it.
+        FixKind("quantize", NUMERICS, reaches_ranks=NEVER, rewrite=_quantize, hold="autocast"),
+        FixKind("offload", SAME, trial=False, reaches_ranks=NEVER, rewrite=_offload),
         FixKind(
             "truncate",
             COMPUTED,
@@ -192,6 +208,12 @@ KINDS: dict[str, FixKind] = {
         ),
         FixKind("no_grad", SAME, rewrite=_no_grad),
         FixKind("eval_batch", SAME, rewrite=_eval_batch),
+        # Every prediction kept, moved to the host every few batches: the same results.
+        FixKind(
+            "eval_accumulation",
+            SAME,
+            rewrite=lambda s, r, h: eval_accumulation_source(s, r.params["steps"], r.params["target"]) or s,
+        ),
         FixKind(
             "split_generate",
             SAME,
@@ -227,10 +249,10 @@ KINDS: dict[str, FixKind] = {
         # A different update rule: what is computed changes, said in the entry.
         FixKind("optimizer", COMPUTED, rewrite=lambda s, r, h: factored_optimizer_source(s) or s),
         # Acting outside this process: another GPU, another process, a restart.
-        FixKind("other_gpu", SAME, trial=False),
-        FixKind("multi_gpu", SAME, trial=False),
-        FixKind("launch_blocking", SAME, trial=False),
-        FixKind("shutdown_kernel", SAME, trial=False),
+        FixKind("other_gpu", SAME, trial=False, reaches_ranks=NEVER),
+        FixKind("multi_gpu", SAME, trial=False, reaches_ranks=NEVER),
+        FixKind("launch_blocking", SAME, trial=False, reaches_ranks=NEVER),
+        FixKind("shutdown_kernel", SAME, trial=False, reaches_ranks=NEVER),
     )
 }
 
@@ -244,6 +266,15 @@ def kind_of(remedy: Remedy | str) -> FixKind:
             f"{name!r} is not a kind of fix oommagic knows (known: {', '.join(sorted(KINDS))})"
         )
     return row
+
+
+def reaches_ranks(remedy: Remedy) -> bool:
+    """Whether a retry of a distributed cell applies ``remedy`` in every rank (its row's
+    ``reaches_ranks``; ``REWRITTEN``: where the remedy rewrites the cell)."""
+    row = kind_of(remedy)
+    # A row written as a bool (the column's earlier form) reads as ALWAYS or NEVER.
+    how = {True: ALWAYS, False: NEVER}.get(row.reaches_ranks, row.reaches_ranks)  # type: ignore[call-overload]
+    return how == ALWAYS or (how == REWRITTEN and remedy.new_source is not None)
 
 
 def tier(remedy: Remedy) -> int:

@@ -31,6 +31,10 @@ class PlanEntry:
     time_ratio: float | None = None
     method: str = ""
     note: str = ""
+    # A distributed cell's trial: the rank that decided the verdict, in words ("rank 1 (cuda:1) ran out of
+    # memory", "tightest: rank 1 (cpu)"); every rank was measured against its own device's budget. Sent
+    # within ``line``.
+    rank: str = ""
 
     @property
     def kind(self) -> str:
@@ -60,6 +64,7 @@ class PlanEntry:
         text = " — ".join(parts[:1]) + (" — " + ", ".join(parts[1:]) if parts[1:] else "")
         if self.method:
             text += f" ({self.method})"
+        text += f"; {self.rank}" if self.rank else ""
         return text + (f"; {self.note}" if self.note else "")
 
     def to_json(self) -> dict:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from ..oom import OOMReport, parse_oom
 from ..sizes import format_bytes as fmt
 from .findings import Finding, Remedy
-from .kinds import kind_of
+from .kinds import reaches_ranks
 from .source import BatchGuess
 
 # A rank whose weights, gradients and optimizer state are at least this share of its peak gains most from
@@ -23,7 +23,7 @@ STATE_BULK = 0.5
 # that merely opened the device (a few MiB), which are not worth a warning.
 STRAY_MIN = 64 * 1024**2
 
-STATUSES = ("ok", "oom", "error", "stopped", "lost", "running")
+STATUSES = ("ok", "oom", "error", "stopped", "lost", "running", "timed_out")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,9 @@ class RankResult:
     reserved: CUDA context, NCCL buffers);
     ``contexts`` the ``(cuda index, bytes)`` NVML lists for this PID on every GPU. ``state`` is the bytes of
     the weights, gradients and optimizer state the rank's frames held, where they could be read.
-    ``ended_at`` is when the rank wrote its report (its last act: it ends right after).
+    ``ended_at`` is when the rank wrote its report (its last act: it ends right after). ``steps`` is the
+    optimizer steps the rank took; in a trial of the fix plan, ``trial_stop`` says where its bounds ended
+    it (status ``ok`` at the steady state, ``timed_out`` when the trial's time ran out first).
     """
 
     rank: int
@@ -60,6 +62,8 @@ class RankResult:
     optimizer_state: int | None = None
     left_running: bool = False
     ended_at: float | None = None
+    steps: int | None = None
+    trial_stop: str | None = None
 
     @property
     def budget(self) -> int | None:
@@ -70,6 +74,12 @@ class RankResult:
         """Bytes the rank needed: its peak reserved, plus the memory outside PyTorch, plus the request
         that failed (a lower bound after an out-of-memory error: the step would have gone on)."""
         return self.peak_reserved + (self.outside or 0) + (self.requested or 0 if self.status == "oom" else 0)
+
+    @property
+    def held(self) -> int:
+        """Bytes held against the budget: the peak reserved, and where the budget is the card's (no
+        limit) the memory outside PyTorch too (a per-process limit bounds PyTorch's allocator alone)."""
+        return self.peak_reserved + (self.outside or 0 if self.limit is None else 0)
 
     @property
     def share(self) -> float | None:
@@ -265,6 +275,8 @@ def _status(r: RankResult) -> str:
         return "no report (killed)"
     if r.status == "running":
         return "still running"
+    if r.status == "timed_out":
+        return "out of time (trial)"
     return r.status
 
 
@@ -356,26 +368,36 @@ def rank_findings(ranks: Ranks, source: str, batch: BatchGuess | None = None) ->
     return tuple(found)
 
 
-# Retries that reach the ranks: a rewrite of the cell, a batch variable the cell hands to its ranks, the
-# kernel's own leftovers (on a GPU one of the ranks shares).
+# A remedy of a distributed cell that the ranks cannot get from a retry: a snippet for the rank function.
+NOT_IN_RANKS = "not_in_ranks"
+
+
 def in_every_rank(findings: tuple[Finding, ...]) -> tuple[Finding, ...]:
     """``findings`` of a distributed cell: a retry that only changes a setting of the kernel's process
-    (autocast, the allocator, a hook) does not reach the ranks, so it becomes a snippet to put into the
-    rank function instead of a button."""
+    (autocast, the allocator, a hook) does not reach the ranks (``kinds.reaches_ranks``), so it becomes a
+    snippet to put into the rank function instead of a button, marked ``NOT_IN_RANKS`` in its params."""
     out = []
     for finding in findings:
         remedies = tuple(
             r
-            if not r.automatic or r.new_source or kind_of(r).reaches_ranks
+            if not r.automatic or reaches_ranks(r)
             else replace(
                 r,
                 automatic=False,
                 explanation=r.explanation + " In a distributed cell: put the snippet into the rank function.",
+                params={**r.params, NOT_IN_RANKS: True},
             )
             for r in finding.remedies
         )
         out.append(replace(finding, remedies=remedies))
     return tuple(out)
+
+
+def unreached(findings: tuple[Finding, ...]) -> tuple[str, ...]:
+    """The titles of the fixes ``in_every_rank`` turned into snippets: a relaunch of the ranks cannot try
+    them (each once)."""
+    titles = [r.title for f in findings for r in f.remedies if r.params.get(NOT_IN_RANKS)]
+    return tuple(dict.fromkeys(titles))
 
 
 def _out_of_memory(ranks: Ranks, failed: RankResult, source: str, batch: BatchGuess | None) -> Finding:

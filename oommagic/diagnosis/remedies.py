@@ -12,13 +12,14 @@ from dataclasses import asdict
 from typing import Any
 
 from ..sizes import format_bytes as fmt
-from .findings import DiagnosisContext, EvalLoader, Figures, Remedy, RowsCall
+from .findings import DiagnosisContext, EvalLoader, Figures, Gathered, Remedy, RowsCall
 from .rewrite import (
     accumulate_loops,
     accumulates,
     changed_lines,
     checkpoint_calls_source,
     default_dtype_source,
+    eval_accumulation_source,
     factored_optimizer_source,
     fresh_name,
     fresh_words,
@@ -31,6 +32,7 @@ from .rewrite import (
     quantized_cache_source,
     rebuild_loader,
     rewrite_batch,
+    scale_accumulation,
     set_call_keyword,
     set_literal,
     skip_long_source,
@@ -41,11 +43,14 @@ from .rewrite import (
 from .source import (
     BatchGuess,
     EvalBatch,
+    arguments_calls,
+    assigned_names,
     called_names,
     calls_only,
     calls_with_keyword,
     checkpoints,
     eval_batch_literal,
+    inlined_product,
     kept_sites,
     last_logits_calls,
     loop_batches,
@@ -425,10 +430,28 @@ def batch_source(
     accumulation was written). The cell's own setting or loop first, then the notebook functions that
     train, redefined at the top of the cell. The names the rewrite adds are fresh against the cell, those
     functions and ``taken`` (the namespace's names)."""
-    if guess.where == "attribute" or (guess.where == "loader" and guess.accumulation is not None):
-        # A setting of an object, or a loader a trainer iterates: the retry sets it (and the accumulation
-        # beside it), the source stays.
+    if guess.where == "attribute":
+        # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
+    if guess.where == "loader":
+        # A loader an earlier cell made: the cell re-batches a copy of it first, so that the notebook says
+        # what the kernel runs (and a second run of the cell does the same); accumulation as for the rest.
+        if acc > 1 and accumulates(source):
+            body = scale_accumulation(source, acc)
+            keeps = body is not None
+        else:
+            body, keeps = _accumulated(source, helpers, source, acc, taken)
+        loader = guess.path[0]
+        head = (
+            f"import oommagic  # {loader}: the same data in batches of {new} (made with {guess.value})\n"
+            f"{loader} = oommagic.rebatched({loader}, {new})\n"
+        )
+        if guess.accumulation is not None and acc > 1:
+            # A trainer that iterates the loader (Lightning's fit) accumulates over the smaller batches
+            # with its own setting, which also divides the loss.
+            path, steps = guess.accumulation
+            return head + f"{path} = {steps * acc}\n" + source, True
+        return head + (body or source), keeps
     written = guess.where in WRITTEN
     taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
     rewritten = rewrite_batch(source, guess, new, acc, taken) if written else source
@@ -441,7 +464,17 @@ def batch_source(
         return None, False
     if acc <= 1 or guess.where == "rows":
         return rewritten, True
-    if accumulates(source):
+    return _accumulated(source, helpers, rewritten, acc, taken)
+
+
+def _accumulated(
+    source: str, helpers: tuple[tuple[str, str], ...], rewritten: str, acc: int, taken: Iterable[str]
+) -> tuple[str | None, bool]:
+    """``rewritten`` (the cell with its batch made smaller) with ``acc``-step accumulation written: its own
+    setting where ``source`` has one, else into its training loops or the notebook functions it calls
+    (redefined at the top of the cell); whether the accumulation was written."""
+    taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
+    if acc <= 1 or accumulates(source):
         return rewritten, True
     # One counter for the cell and the functions redefined beside it.
     counter = fresh_name("micro_step", rewritten, taken=taken)
@@ -687,7 +720,15 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
     """The expression on the failing line computed on ``chunk`` rows of its input at a time, the results
     joined; the saving is the share of what grows with the rows (the activations, or the one request
     where that was larger than the card) that the other chunks took."""
-    new_source = split_rows_source(ctx.source, call.expression, call.arg, chunk, call.func)
+    source = ctx.source
+    inlined = (
+        inlined_product(source, name=call.inlined, modules=frozenset({call.func} - {""}))
+        if call.inlined
+        else None
+    )
+    if inlined is not None:
+        source = inlined[0]
+    new_source = split_rows_source(source, call.expression, call.arg, chunk, call.func)
     grows = max(fig.activations or 0, fig.requested or 0) or None
     saving = grows - grows * chunk // call.rows if grows else None
     what = call.func if call.func and calls_only(call.expression, call.func) else f"`{call.expression}`"
@@ -706,7 +747,14 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
         fig,
         "split_rows",
         title,
-        why + ", and the results are joined with `torch.cat`. Same results, a little slower.",
+        why
+        + ", and the results are joined with `torch.cat`. Same results, a little slower."
+        + (
+            f" `{call.inlined}` is not kept: each chunk's part of it is reduced at once (whole, it is as "
+            "large as the card could not hold)."
+            if call.inlined
+            else ""
+        ),
         saving,
         code=changed_lines(ctx.source, new_source) if new_source else "",
         automatic=new_source is not None,
@@ -716,6 +764,7 @@ def split_rows(ctx: DiagnosisContext, fig: Figures, call: RowsCall, chunk: int) 
             "rows": call.rows,
             "chunk": chunk,
             "expr": call.expression,
+            "inlined": call.inlined,
         },
         new_source=new_source,
     )
@@ -768,6 +817,58 @@ def factored_optimizer(ctx: DiagnosisContext, fig: Figures, made: str, moments: 
         code=changed_lines(ctx.source, new_source) if new_source else "",
         automatic=new_source is not None,
         params={"from": made},
+        new_source=new_source,
+    )
+
+
+def accumulation_target(source: str, gathered: Gathered) -> str | None:
+    """Where a Trainer's ``eval_accumulation_steps`` is written so that the run reads it: on the Trainer an
+    earlier cell made (``trainer.args``), else into the cell's ``TrainingArguments(...)`` where the cell makes
+    its Trainer (``"call"``; a setting on the object the cell makes anew would be lost), else on the
+    arguments an earlier cell made (``args``). None where none of them is there."""
+    made = assigned_names(source)
+    if gathered.trainer is not None and gathered.trainer not in made:
+        return f"{gathered.trainer}.args"
+    if arguments_calls(source):
+        return "call"
+    if gathered.args is not None and gathered.args not in made:
+        return gathered.args
+    return None
+
+
+def eval_accumulation(
+    ctx: DiagnosisContext, fig: Figures, gathered: Gathered, steps: int, saving: int | None
+) -> Remedy:
+    """A Trainer's evaluation with ``eval_accumulation_steps=steps``: the gathered predictions go to the
+    host every ``steps`` batches, so the device holds at most that many batches of them. Every prediction
+    is kept."""
+    target = accumulation_target(ctx.source, gathered)
+    new_source = eval_accumulation_source(ctx.source, steps, target) if target is not None else None
+    where = (
+        "in the cell's TrainingArguments"
+        if target == "call"
+        else f"on {target}"
+        if target is not None
+        else "in the Trainer's TrainingArguments"
+    )
+    whole = gathered.whole
+    host = f" ({fmt(whole)} for the whole evaluation)" if whole else ""
+    return _made(
+        fig,
+        "eval_accumulation",
+        f"eval_accumulation_steps={steps}: predictions to the host "
+        + ("after every batch" if steps == 1 else f"every {steps} batches"),
+        f"The Trainer keeps every batch's predictions and labels on the device until the evaluation ends; "
+        f"with `eval_accumulation_steps={steps}` ({where}) it moves them to the host every {steps} batches, "
+        f"so the device holds at most {steps} batches of them. Every prediction is kept: the metrics and "
+        f"the returned predictions are the same; host memory holds them instead{host}, and each move waits "
+        "for the device.",
+        saving,
+        code=changed_lines(ctx.source, new_source)
+        if new_source
+        else f"TrainingArguments(..., eval_accumulation_steps={steps})",
+        automatic=new_source is not None,
+        params={"steps": steps, "target": target},
         new_source=new_source,
     )
 

@@ -14,10 +14,12 @@ from collections.abc import Iterable
 
 from .source import (
     ACCUMULATION_NAMES,
+    TRAINING_ARGUMENTS,
     BatchGuess,
     Binding,
     KeptSite,
     SourceText,
+    arguments_calls,
     binding_sites,
     call_matches,
     contains,
@@ -35,7 +37,7 @@ from .source import (
 )
 
 # TRL's configs subclass TrainingArguments and take the same keywords.
-_TRAINING_ARGS = re.compile(r"(\w*TrainingArguments|SFTConfig|DPOConfig|ORPOConfig|KTOConfig|GRPOConfig)")
+_TRAINING_ARGS = TRAINING_ARGUMENTS
 
 
 def rewrite_batch(
@@ -182,6 +184,16 @@ def _own_accumulation_edits(
     return edits
 
 
+def scale_accumulation(source: str, accumulate: int) -> str | None:
+    """The cell with its own accumulation setting multiplied by ``accumulate`` (or one added to its
+    TrainingArguments / Lightning Trainer), its batch left as it is; None where it has none."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    edits = _accumulation_edits(SourceText(source), tree, binding_sites(tree), [], accumulate)
+    return _checked(_apply(source, edits)) if edits else None
+
+
 def _accumulation_literals(sites: list[Binding]) -> list[Binding]:
     literal = [s for s in sites if s.name in ACCUMULATION_NAMES and int_literal(s.value) is not None]
     # `gradient_accumulation_steps=ga` with `ga = 2` above: multiply the 2.
@@ -308,6 +320,22 @@ def keep_last_logits_source(source: str, calls: tuple[str, ...], keyword: str) -
     return new if new != source else None
 
 
+def eval_accumulation_source(source: str, steps: int, target: str) -> str | None:
+    """The cell with a Trainer's ``eval_accumulation_steps`` set to ``steps``: ``target`` ``"call"`` writes
+    the keyword into every Trainer-arguments call of the cell (``TrainingArguments(...)``, where the cell
+    makes its Trainer); a dotted name (``trainer.args``, ``args``: settings made in an earlier cell) gets a
+    line at the top of the cell. None where nothing changes."""
+    if target == "call":
+        new = source
+        for func in arguments_calls(source):
+            new = set_call_keyword(new, func, "eval_accumulation_steps", steps) or new
+        return new if new != source else None
+    note = "# oommagic: predictions to the host " + (
+        "after every batch" if steps == 1 else f"every {steps} batches"
+    )
+    return _checked(f"{target}.eval_accumulation_steps = {steps}  {note}\n{source}")
+
+
 def insert_after_assignment(source: str, name: str, statement: str) -> str | None:
     """Return the cell with ``statement`` on its own line after the last top-level assignment to
     ``name`` (``model = AutoModel...`` → ``model.gradient_checkpointing_enable()`` below it); None when
@@ -382,8 +410,10 @@ def accumulate_loops(
     loop (a ``for``/``while`` whose body calls ``.backward()``): the loss divided by ``steps``, a counter
     after the backward pass, every optimizer/scheduler ``.step()`` and ``.zero_grad()`` of the loop run
     only when the counter reaches a multiple of ``steps``, and ``range(n)`` loops run ``n * steps`` times so
-    the number of optimizer steps stays. The counter is ``counter``, else ``micro_step`` made fresh against
-    the cell and ``taken``. None when the cell has no such loop."""
+    the number of optimizer steps stays, and a stop on the loop's count (``if i == 2: break``, ``if step + 1
+    == max_steps: return``) counts whole steps of ``steps`` micro-batches (``_stop_edits``). The counter is
+    ``counter``, else ``micro_step`` made fresh against the cell and ``taken``. None when the cell has no such
+    loop."""
     counter = counter or fresh_name("micro_step", source, taken=taken)
     tree = tree_of(source)
     if tree is None:
@@ -406,6 +436,7 @@ def accumulate_loops(
                 atomic = isinstance(arg, (ast.Name, ast.Constant, ast.Attribute, ast.Call))
                 text = src.segment(arg) if atomic else f"({src.segment(arg)})"
                 edits.append((*src.span(arg), f"{text} * {steps}"))
+        edits += _stop_edits(src, loop, steps)
         for block in _blocks(loop.body):
             guarded_before = False
             for stmt in block:
@@ -425,6 +456,56 @@ def accumulate_loops(
                     edits.append((start, end, f"{head}{indent}    {body}"))
                 guarded_before = guarded
     return _checked(_apply(source, edits))
+
+
+def _loop_count(loop: ast.AST) -> str | None:
+    """The name counting a ``for`` loop's iterations from 0: ``i`` of ``for i, b in enumerate(loader)`` and
+    of ``for i in range(n)``; None for any other loop (a start or a step of its own)."""
+    if not isinstance(loop, ast.For) or not isinstance(loop.iter, ast.Call):
+        return None
+    it, target = loop.iter, loop.target
+    if dotted_name(it.func) == "enumerate" and len(it.args) == 1 and not it.keywords:
+        first = target.elts[0] if isinstance(target, ast.Tuple) and target.elts else None
+        return first.id if isinstance(first, ast.Name) else None
+    if _is_range_call(it) and len(it.args) == 1 and isinstance(target, ast.Name):
+        return target.id
+    return None
+
+
+def _stop_edits(src: SourceText, loop: ast.AST, steps: int) -> list[tuple[int, int, str]]:
+    """A loop that stops on its count (``if i == 2: break``, ``if step + 1 == max_steps: return loss``)
+    would stop after as many micro-batches as it took steps: its test then reads whole steps, ``i // steps``,
+    and is asked once per step, at the first micro-batch of a step where it comes before the backward pass
+    (the step not begun), at the last one where it comes after (the step taken)."""
+    count = _loop_count(loop)
+    if count is None:
+        return []
+    backward = min(
+        (
+            n.lineno
+            for stmt in _statements(loop.body)
+            for n in ast.walk(stmt)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        ),
+        default=None,
+    )
+    edits = []
+    for block in _blocks(loop.body):
+        for stmt in block:
+            stops = isinstance(stmt, ast.If) and any(isinstance(s, ast.Break | ast.Return) for s in stmt.body)
+            if not stops:
+                continue
+            reads = [n for n in ast.walk(stmt.test) if isinstance(n, ast.Name) and n.id == count]
+            if not reads or any(isinstance(n, ast.Call) for n in ast.walk(stmt.test)):
+                continue
+            at = 0 if backward is not None and stmt.lineno < backward else steps - 1
+            start, end = src.span(stmt.test)
+            test = src.text[start:end]
+            for name in sorted(reads, key=lambda n: src.span(n), reverse=True):
+                a, b = src.span(name)
+                test = test[: a - start] + f"{count} // {steps}" + test[b - start :]
+            edits.append((start, end, f"{count} % {steps} == {at} and ({test})"))
+    return edits
 
 
 def _trains_in(loop: ast.AST) -> bool:
@@ -693,6 +774,14 @@ def split_rows_source(source: str, expr: str, arg: str, chunk: int, module: str 
             continue
         start, end = src.span(node)
         at, to = src.span(found.spine)
+        if found.splat:
+            # A dict of tensors splatted into the model: each chunk is the dict of its rows.
+            key, value = fresh_name("key", source), fresh_name("value", source)
+            part = f"{{{key}: {value}[{rows}:{rows} + {chunk}] for {key}, {value} in {arg}.items()}}"
+            per_chunk = source[start:at] + part + source[to:end]
+            starts = f"range(0, len(next(iter({arg}.values()))), {chunk})"
+            edits.append((start, end, f"torch.cat([{per_chunk} for {rows} in {starts}])"))
+            continue
         per_chunk = source[start:at] + rows + source[to:end]
         edits.append((start, end, f"torch.cat([{per_chunk} for {rows} in {arg}.split({chunk})])"))
     if not edits:

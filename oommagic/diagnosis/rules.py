@@ -68,6 +68,7 @@ WEIGHT = {
     "weights": 1.2,  # the weights' own bytes, from the checkpoint on disk or the model in the namespace
     "growth": 1.0,  # measured: the bytes kept across steps
     "kept": 1.0,  # read from the namespace at the failure: what the loop's list or total held
+    "gathered": 1.0,  # read from the evaluation loop's frame: the predictions it had gathered
     "autograd": 1.0,
     "pinned": 1.0,  # measured: bytes held by an earlier error's traceback, the output history, ...
     "fragmentation": 1.0,
@@ -365,7 +366,10 @@ def _state_words(m: ModelInfo) -> str:
 
 def _activations(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
     growth = _step_growth(ctx.timeline, fig)
-    if ctx.generation or not (fig.training or ctx.batch or growth or ctx.evaluating):
+    # A whole tensor run through a model at once (`bert(**enc)` on every row): its activations grow with
+    # the rows, and chunks of them are the knob.
+    rows = ctx.rows_call is not None and _splits_rows(ctx, fig)
+    if ctx.generation or not (fig.training or ctx.batch or growth or ctx.evaluating or rows):
         return None
     if ctx.evaluating:
         batch, note = _eval_batch_remedy(ctx, fig)
@@ -735,6 +739,50 @@ def _kept(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Find
     return _finding("kept", "Tensors kept across iterations", evidence, remedies, fig)
 
 
+# Batches of predictions an evaluation may hold on the device with eval_accumulation_steps: a quarter of
+# those it held when it failed, since joining the next batch to them briefly takes twice their bytes.
+GATHERED_SHARE = 4
+
+
+def _gathered(report: OOMReport | None, ctx: DiagnosisContext, fig: Figures) -> Finding | None:
+    """A Hugging Face Trainer's evaluation gathered every batch's predictions on the device, read from its
+    loop's frame: they grow with the evaluation set, so no smaller evaluation batch makes them fit; moving
+    them to the host every few batches does, keeping every prediction."""
+    g = ctx.gathered
+    if g is None or not (_matters(g.bytes, fig) or (g.whole and _matters(g.whole, fig))):
+        return None
+    if g.accumulation is not None and g.accumulation <= 1:
+        return None  # already moved to the host after every batch: what is left is one batch's
+    steps = max(1, g.steps // GATHERED_SHARE)
+    call = f"`{g.trainer}.{g.method}()`" if g.trainer else f"The Trainer's `{g.method}()`"
+    setting = (
+        f"every {g.accumulation} batches (`eval_accumulation_steps={g.accumulation}`)"
+        if g.accumulation
+        else "until the evaluation ends (`eval_accumulation_steps` is not set)"
+    )
+    what = "predictions and labels" if g.labels else "predictions"
+    evidence = (
+        f"{call} keeps every batch's {what} on the device {setting}: at the failure they "
+        f"held {fmt(g.bytes)} after {g.steps} batch{'es' if g.steps != 1 else ''}, predictions of "
+        f"{g.shape_words()}."
+    )
+    whole = g.whole
+    if whole and g.total_rows and g.total_rows > g.rows:
+        shape = g.shape_words(g.total_rows)
+        evidence += (
+            f" The whole evaluation gathers about {fmt(whole)} ({shape}{' and the labels' * g.labels})."
+        )
+    evidence += (
+        " A smaller evaluation batch does not shrink them: they grow with the number of rows evaluated, not "
+        "with the batch."
+    )
+    saving = max((whole or g.bytes) - steps * g.per_step, 0) or None
+    remedy = fix.eval_accumulation(ctx, fig, g, steps, saving)
+    return _finding(
+        "gathered", "The evaluation gathers its predictions on the device", evidence, [remedy], fig
+    )
+
+
 def _top(name: str) -> str:
     """``model`` of ``model``, ``trainer.model`` and ``models[0]``."""
     return name.split(".", 1)[0].split("[", 1)[0]
@@ -958,6 +1006,7 @@ RULES: tuple[Rule, ...] = (
     _generation,
     _growth,
     _kept,
+    _gathered,
     _autograd,
     _optimizer_step,
     _optimizer_state,

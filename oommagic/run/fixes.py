@@ -71,14 +71,6 @@ def _batch_setting(remedy: Remedy, shell: Any, device: str) -> contextlib.Abstra
     params = remedy.params
     if params.get("where") in ("namespace", "option"):
         return _rebound(shell.user_ns, params["name"], params["new"])
-    if params.get("where") == "loader":
-        name = params["path"][0]
-        if params.get("accumulation"):
-            # A trainer that iterates the loader accumulates over the smaller batches (Lightning's
-            # `accumulate_grad_batches`, which also divides the loss).
-            path, _, new_steps = params["accumulation"]
-            set_attribute(shell.user_ns, path, new_steps)
-        return _rebound(shell.user_ns, name, rebatched(shell.user_ns[name], params["new"]))
     if params.get("where") == "attribute":
         values = {params["name"]: params["new"]}
         if params.get("accumulation"):
@@ -93,9 +85,6 @@ def _batch_undo(remedy: Remedy, ns: dict) -> None:
     params = remedy.params
     if params.get("where") in ("namespace", "option"):
         ns[params["name"]] = params["old"]
-    if params.get("where") == "loader" and params.get("accumulation"):
-        path, old_steps, _ = params["accumulation"]
-        set_attribute(ns, path, old_steps)
     if params.get("where") == "attribute":
         set_attribute(ns, params["name"], params["old"])
         if params.get("accumulation"):

@@ -28,6 +28,8 @@ from ..diagnosis.plan import (
     ordered,
     with_time_ratios,
 )
+from ..diagnosis.rank_trials import trial_of_ranks
+from ..diagnosis.ranks import unreached
 from ..diagnosis.source import steps_optimizer
 from ..sizes import format_bytes
 from .batch_search import Trial, next_batch
@@ -65,14 +67,25 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
     if budget_s is None:
         budget_s = default_budget(session, run)
     if budget_s <= 0 or not candidates(run):
-        plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else "no automatic fix")
+        # A distributed cell's fixes are automatic where a relaunch puts them into every rank.
+        none = "no fix a relaunch of the ranks can apply" if run.ranks is not None else "no automatic fix"
+        plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else none)
+        if run.ranks is not None:
+            plan = replace(plan, summary=plan.summary + _unreached(run))
         return replace(plan, unfittable=_unfittable(plan, run)) if budget_s > 0 else plan
     measure = _Measure(session, run, budget_s)
     n = len(candidates(run))
+    ranks = (
+        f" and relaunches its {len(run.ranks)} ranks, each bounded as the trial is (what the ranks write "
+        "to files is theirs: not put back)"
+        if run.ranks is not None
+        else ""
+    )
     session.progress(
         f"%%gpumem: measuring {n} fix{'es' if n != 1 else ''} in at most {budget_s:.0f} s (--plan-budget): "
-        "each trial re-runs the cell (its prints too) and puts back what it changed (tensors, containers, "
-        "random generators, files); interrupt the kernel to stop."
+        f"each trial re-runs the cell (its prints too){ranks} and puts back what it changed"
+        f"{' in this kernel' if ranks else ''} (tensors, containers, random generators, files); interrupt "
+        "the kernel to stop."
     )
     try:
         with frozen_heap():
@@ -88,7 +101,10 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
         snapshot_bytes=measure.snapshot_bytes,
         cut_short=measure.ran_out and any(e.verdict == NOT_MEASURED for e in entries),
     )
-    return replace(plan, summary=_summary(plan, run, session.restored), unfittable=_unfittable(plan, run))
+    summary = _summary(plan, run, session.restored)
+    if run.ranks is not None:
+        summary += _unreached(run)
+    return replace(plan, summary=summary, unfittable=_unfittable(plan, run))
 
 
 class _Measure:
@@ -100,6 +116,11 @@ class _Measure:
         self.trials = 0
         self.snapshot_bytes = 0
         self.budget = run.budget
+        # A distributed cell: every trial relaunches its ranks, and what they report is what is judged,
+        # each rank against its own device's budget (the plan's is the tightest rank's).
+        self.ranks = run.ranks is not None
+        if run.ranks is not None and run.ranks.bottleneck is not None:
+            self.budget = run.ranks.bottleneck.budget or self.budget
         self.margin = session.settings.plan_margin
         self.training = bool(run.context and run.context.training)
         self.keeps = any(f.key in ("growth", "kept") for f in run.findings)
@@ -159,6 +180,8 @@ class _Measure:
                     entry = self.smaller_chunks(entry)
                 if remedy.kind == "eval_batch":
                     entry = self.smaller_eval_batches(entry)
+                if remedy.kind == "eval_accumulation":
+                    entry = self.sooner_to_host(entry)
             except SnapshotTooLarge:
                 raise  # no trial can run: the whole plan says why
             except Exception as err:  # its setting could not be put in force (an object the cell dropped)
@@ -217,6 +240,21 @@ class _Measure:
             entry = self.entry((fix.eval_batch(ctx, figures(self.run.report, ctx), found, new),))
         return entry
 
+    def sooner_to_host(self, entry: PlanEntry) -> PlanEntry:
+        """An evaluation that still ran out with its predictions moved to the host every N batches, tried
+        again moving them after every batch, the least the device can hold of them."""
+        from ..diagnosis import remedies as fix
+
+        ctx = self.run.context
+        remedy = entry.fixes[0]
+        gathered = ctx.gathered if ctx is not None else None
+        if entry.verdict != DOES_NOT_FIT or remedy.params.get("steps", 1) <= 1 or gathered is None:
+            return entry
+        if self.left() <= 0:
+            return entry
+        fig = figures(self.run.report, ctx)
+        return self.entry((fix.eval_accumulation(ctx, fig, gathered, 1, remedy.saving),))
+
     def pairs(self, found: list[PlanEntry]) -> list[PlanEntry]:
         """Two fixes that each fell short, together (fewer beams and shorter outputs, autocast and
         checkpointing): the closest first, until one fits or the budget ends."""
@@ -248,6 +286,8 @@ class _Measure:
             return PlanEntry(
                 fixes, NOT_MEASURED, budget=self.budget, method="cannot be tried in this process"
             )
+        if self.ranks and (changes := _global_batch_changed(fixes)):
+            return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method=changes)
         if self.left() <= 0:
             return PlanEntry(fixes, NOT_MEASURED, budget=self.budget, method="the time budget ran out")
         method = ""
@@ -287,13 +327,21 @@ class _Measure:
         # Through the second optimizer step (the optimizer's state exists from the first, and the second
         # step's temporaries come on top of it), and past the step where the original run failed: a later,
         # longer batch must be part of the trial.
-        done = len(self.run.recording.timeline.steps)
+        done = self.done()
         steps = max(2, math.ceil(done * steps_scale))
         return Bounds(steps=steps, seconds=self.left(), limit=limit), (
             f"trial: {steps} optimizer steps and a backward pass"
         )
 
+    def done(self) -> int:
+        """The optimizer steps the failed run took before it ran out (of its ranks, the most)."""
+        if self.run.ranks is not None:
+            return max((r.steps or 0 for r in self.run.ranks.results), default=0)
+        return len(self.run.recording.timeline.steps)
+
     def judge(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
+        if self.ranks:
+            return self.judge_ranks(fixes, attempt, method)
         rec = attempt.recording
         # A trial of a freeing fix ran with the freed bytes still held and the limit raised by as much:
         # its peak against the budget is what it reached less what the fix gives back.
@@ -322,12 +370,51 @@ class _Measure:
             )
         return replace(entry, verdict=FITS, seconds_per_step=step)
 
+    def judge_ranks(self, fixes: tuple[Remedy, ...], attempt: Attempt, method: str) -> PlanEntry:
+        """A trial that relaunched the ranks: "fits" only where no rank ran out and every rank's peak keeps
+        the margin against its own device's budget; the rank that decides is named (``PlanEntry.rank``)."""
+        seen = trial_of_ranks(attempt.ranks)
+        r = seen.rank
+        budget = r.budget if r is not None and r.budget else self.budget
+        peak = None if r is None else r.demand if r.status == "oom" else r.held
+        entry = PlanEntry(fixes, budget=budget, peak=peak, method=method, rank=seen.note if r else "")
+        if seen.verdict == NOT_MEASURED:
+            return replace(entry, verdict=NOT_MEASURED, note=seen.note, rank="")
+        if seen.verdict == DOES_NOT_FIT:
+            # Out of memory is said by the rank; a note marks a cell that failed otherwise, which a smaller
+            # batch would not mend.
+            note = "" if r is not None and r.status == "oom" else seen.note
+            return replace(entry, verdict=DOES_NOT_FIT, note=note, rank=entry.rank if not note else "")
+        ran_whole = not any(x.trial_stop for x in attempt.ranks.results) if attempt.ranks else True
+        if ran_whole and (changed := self.work_changed(fixes, seen.steps or 0)):
+            return replace(entry, verdict=DOES_NOT_FIT, note=changed)
+        if budget and peak is not None and peak > budget * (1 - self.margin):
+            room = budget - peak
+            spare = f"{format_bytes(max(room, 0))} to spare" if room >= 0 else "over the budget"
+            return replace(
+                entry,
+                verdict=LIKELY_FITS,
+                note=f"{spare}, less than the {self.margin:.0%} margin a verified fit keeps",
+            )
+        return replace(entry, verdict=FITS)
+
+    def rank_probe(self, attempt: Attempt) -> tuple[bool, int, bool]:
+        """A probe's (fits, peak, out of time) read from its ranks: the peak is the tightest rank's, or the
+        failing rank's demand, as bytes of the plan's budget (ranks' budgets can differ)."""
+        seen = trial_of_ranks(attempt.ranks)
+        r = seen.rank
+        if r is None:
+            return False, 0, False
+        used = r.demand if r.status == "oom" else r.held
+        peak = used * self.budget // r.budget if r.budget and self.budget else used
+        return seen.verdict is None, peak, seen.verdict == NOT_MEASURED and r.status == "timed_out"
+
     def work_changed(self, fixes: tuple[Remedy, ...], steps: int) -> str:
         """Why a trial that ran the whole cell did less work than the cell as written ('' when it did not):
         no optimizer step where the cell steps one, or fewer steps than the failed run had taken."""
         if not self.training:
             return ""
-        done = len(self.run.recording.timeline.steps)
+        done = self.done()
         if steps < done:
             return f"the rewritten cell took {steps} optimizer steps where the cell as written took {done}+"
         ctx = self.run.context
@@ -384,11 +471,13 @@ class _Measure:
             rec = attempt.recording
             timed_out = "time" in (attempt.stopped_by or "")
             fits = attempt.outcome in ("ok", "stopped") and not timed_out
+            peak, allocated = rec.peak_reserved, rec.peak_allocated
+            if self.ranks:
+                fits, peak, timed_out = self.rank_probe(attempt)
+                allocated = peak
             verdict = FITS if fits else NOT_MEASURED if timed_out else DOES_NOT_FIT
-            self.session.progress(
-                ended(verdict, rec.peak_reserved, "the time budget ran out" if timed_out else "")
-            )
-            return Trial(b, fits, rec.peak_reserved, attempt.wall_s, "probe", rec.peak_allocated)
+            self.session.progress(ended(verdict, peak, "the time budget ran out" if timed_out else ""))
+            return Trial(b, fits, peak, attempt.wall_s, "probe", allocated)
 
         b = max(1, min(guess.value // 2, _first_probe(fig, guess.value)))
         while self.left() > 0:
@@ -585,3 +674,26 @@ def _unfittable(plan: FixPlan, run: CellRun) -> str:
         )
     need = f"; with every fix tried it still needed more than {format_bytes(smallest)}" if smallest else ""
     return f"No fix it knows makes this cell fit {budget}{need}."
+
+
+def _global_batch_changed(fixes: tuple[Remedy, ...]) -> str:
+    """Why a fix is not tried on the ranks of a distributed cell ('' where it is): a smaller batch whose
+    accumulation could not be written where the ranks run would change the global batch."""
+    for r in fixes:
+        if r.kind == "batch" and not r.params.get("keeps_effective", True):
+            return (
+                "not tried: each rank's batch would shrink without accumulation, changing the global batch "
+                "(the accumulation could not be written where the ranks run)"
+            )
+    return ""
+
+
+def _unreached(run: CellRun) -> str:
+    """The fixes the findings offer that a relaunch cannot put into the ranks, said as such."""
+    names = unreached(run.findings)
+    if not names:
+        return ""
+    return (
+        f" Not tried: {', '.join(names)}: a setting of this kernel's process, which does not reach the ranks "
+        "(its snippet goes into the rank function)."
+    )

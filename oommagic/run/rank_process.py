@@ -17,22 +17,27 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..oom import is_oom, parse_oom
+from .bounds import ENV_BOUNDS, TrialStop, bounded, rank_bounds
 from .rank_cuda import RankLimit, cuda_figures
 from .rank_files import ENV_DEVICE, ENV_DIR, ENV_LIMIT, failed_rank, limit_bytes, unreported, write
 
 POLL_S = 0.05
 STOP_WAIT = 3.0
 STOPPED_EXIT = 1  # what a stopped rank exits with: a failure, so launchers end the others too
+# A trial's rank still running this long after its deadline is stuck (in a collective whose peer stopped at
+# its own bounds, say): its watcher ends it.
+PAST_DEADLINE_S = 2.0
 
 
 # --- the settings a rank reads ------------------------------------------------------------------------
 
 
-def _settings_from_env() -> tuple[str, str | None, str] | None:
+def _settings_from_env() -> tuple[str, str | None, str, str | None] | None:
     directory = os.environ.get(ENV_DIR)
     if not directory:
         return None
-    return directory, os.environ.get(ENV_LIMIT) or None, os.environ.get(ENV_DEVICE, "cpu")
+    limit, device = os.environ.get(ENV_LIMIT) or None, os.environ.get(ENV_DEVICE, "cpu")
+    return directory, limit, device, os.environ.get(ENV_BOUNDS) or None
 
 
 @contextlib.contextmanager
@@ -47,26 +52,44 @@ def rank_recorder(index: int | None = None) -> Iterator[None]:
     if settings is None:
         yield
         return
-    directory, limit, device = settings
+    directory, limit, device, bounds = settings
     os.makedirs(directory, exist_ok=True)  # the cell names it; the first rank makes it
     if index is None:
         index = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-    with RankRecorder(directory, limit, device, index):
+    with RankRecorder(directory, limit, device, index, bounds):
         yield
 
 
 class RankTarget:
     """The user's rank function, wrapped so that the child process records itself. Pickled by reference
     to ``fn`` (the user's function must be importable in the child, as ``torch.multiprocessing`` already
-    requires with the spawn start method)."""
+    requires with the spawn start method).
 
-    def __init__(self, fn: Any, directory: str, limit: str | None, device: str) -> None:
+    ``indexed``: ``fn`` takes the rank's index first (what ``torch.multiprocessing.start_processes``
+    passes); otherwise it is the function torch.distributed.elastic's worker calls with the user's own
+    arguments, and the index is ``LOCAL_RANK`` (set by that worker). ``returns``: where a trial's bounds
+    end the rank, it returns as if ``fn`` had (its launcher then sees it succeed); otherwise ``fn`` owes its
+    launcher more than its return (Lightning's worker hands its results over a queue after it), and the
+    rank ends its process once every rank reported."""
+
+    def __init__(
+        self,
+        fn: Any,
+        directory: str,
+        limit: str | None,
+        device: str,
+        bounds: str | None = None,
+        indexed: bool = True,
+        returns: bool = True,
+    ) -> None:
         self.fn = fn
-        self.directory, self.limit, self.device = directory, limit, device
+        self.directory, self.limit, self.device, self.bounds = directory, limit, device, bounds
+        self.indexed, self.returns = indexed, returns
 
-    def __call__(self, index: int, *args: Any) -> Any:
-        with RankRecorder(self.directory, self.limit, self.device, index):
-            return self.fn(index, *args)
+    def __call__(self, *args: Any) -> Any:
+        index = args[0] if self.indexed else int(os.environ.get("LOCAL_RANK", "0"))
+        with RankRecorder(self.directory, self.limit, self.device, index, self.bounds, self.returns):
+            return self.fn(*args)
 
 
 # --- in the rank process ------------------------------------------------------------------------------
@@ -81,11 +104,25 @@ class RankRecorder:
     context anywhere.
     """
 
-    def __init__(self, directory: str, limit: str | None, device: str, index: int) -> None:
+    def __init__(
+        self,
+        directory: str,
+        limit: str | None,
+        device: str,
+        index: int,
+        bounds: str | None = None,
+        returns: bool = True,
+    ) -> None:
         self.directory = directory
+        self.returns = returns
         self.limit = limit
         self.device = device
         self.index = index
+        # A trial's bounds (``bounds.Bounds.for_ranks``): the rank stops at the same steady state as a trial
+        # in the kernel would. None: the cell's own run, which only counts the optimizer steps.
+        self.bounds = rank_bounds(bounds)
+        self._counting: contextlib.ExitStack | None = None
+        self._counter: Any = None
         self.pid = os.getpid()
         self._cpu: Any = None
         self._limit: RankLimit | None = None
@@ -105,6 +142,7 @@ class RankRecorder:
         elif self.limit is not None:
             self._limit = RankLimit(self.limit, self.index)
             self._limit.install()
+        self._count_steps()
         self._watcher = threading.Thread(target=self._watch, name="oommagic-rank-watch", daemon=True)
         self._watcher.start()
         return self
@@ -112,6 +150,10 @@ class RankRecorder:
     def __exit__(self, etype: Any, exc: BaseException | None, tb: Any) -> bool:
         self._done.set()
         failed_at = time.time()
+        if self._counting is not None:
+            self._counter.running = False
+            with contextlib.suppress(Exception):
+                self._counting.close()
         if self._cpu is not None:
             with contextlib.suppress(Exception):
                 self._cpu.__exit__(None, None, None)
@@ -120,6 +162,13 @@ class RankRecorder:
         if exc is None:
             self._report("ok")
             return False
+        if isinstance(exc, TrialStop):
+            # The trial's own end, at the same point in every rank: the rank returns as if its function
+            # had (the launcher sees no failure); a rank out of time is said so.
+            self._report("timed_out" if exc.timed_out else "ok", trial_stop=str(exc))
+            if not self.returns:
+                self._end_after_the_others()
+            return True
         if isinstance(exc, Exception):
             frames = _traceback_frames(tb)
             if not is_oom(exc):
@@ -135,9 +184,35 @@ class RankRecorder:
                 _abort_process_group()
         return False
 
+    def _count_steps(self) -> None:
+        """Count this rank's optimizer steps; in a trial, stop it at its bounds. A forked rank drops the
+        kernel's trial bounds it inherited (a torch function mode of the thread that forked), and keeps any
+        other mode (``with torch.device(...)`` around the launch)."""
+        from torch.overrides import _get_current_function_mode_stack, _pop_mode, _push_mode
+
+        stack = _get_current_function_mode_stack()
+        kept = [m for m in stack if not getattr(m, "oommagic_trial", False)]
+        if len(kept) != len(stack):
+            while _get_current_function_mode_stack():
+                _pop_mode()
+            for mode in kept:
+                _push_mode(mode)
+        bounds, deadline = self.bounds if self.bounds is not None else (None, None)
+        self._counting = contextlib.ExitStack()
+        self._counter = self._counting.enter_context(bounded(bounds, deadline, count=True))
+
+    def _past_deadline(self) -> bool:
+        deadline = self.bounds[1] if self.bounds is not None else None
+        return deadline is not None and time.time() > deadline + PAST_DEADLINE_S
+
     def _watch(self) -> None:
-        """Another rank failed: write this rank's figures and end this process (its memory goes back)."""
+        """Another rank failed: write this rank's figures and end this process (its memory goes back).
+        A trial's rank stuck past its deadline ends the same way, as out of time."""
         while not self._done.wait(POLL_S):
+            if self._past_deadline():
+                if self._report("timed_out", trial_stop="stuck past the trial's deadline"):
+                    os._exit(STOPPED_EXIT)
+                return
             failed = failed_rank(self.directory, self.pid)
             if failed is None:
                 continue
@@ -148,6 +223,18 @@ class RankRecorder:
                     sys.stderr.flush()
                 os._exit(STOPPED_EXIT)
             return
+
+    def _end_after_the_others(self) -> None:
+        """End this trial's rank once every rank reported (their bounds end them at the same step), or
+        past the trial's deadline: ended first, it would be a failure to its launcher, which would stop
+        the others before they report."""
+        deadline = self.bounds[1] if self.bounds is not None and self.bounds[1] else time.time() + STOP_WAIT
+        while unreported(self.directory) - {self.pid} and time.time() < deadline + PAST_DEADLINE_S:
+            time.sleep(POLL_S)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(STOPPED_EXIT)
 
     def _stop_the_others(self) -> None:
         """Wait for every other rank to report (their watchers stop them), then kill those that did not."""
@@ -169,6 +256,7 @@ class RankRecorder:
         failed_at: float | None = None,
         stopped_by: int | None = None,
         frames: list[Any] | None = None,
+        trial_stop: str | None = None,
     ) -> bool:
         """Write this rank's result once (the main thread and the watcher may race); False if written."""
         with self._lock:
@@ -180,6 +268,7 @@ class RankRecorder:
         with contextlib.suppress(Exception):
             result = self._figures()
         result.update(status=status, stopped_by=stopped_by, failed_at=failed_at, ended_at=time.time())
+        result.update(steps=self._counter.steps if self._counter is not None else None, trial_stop=trial_stop)
         if exc is not None:
             message = _message(exc)
             report = parse_oom(message) if status == "oom" else None

@@ -32,6 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..diagnosis.ranks import RankResult, Ranks
+from .bounds import ENV_BOUNDS, Bounds
 from .rank_files import ENV_DEVICE, ENV_DIR, ENV_LIMIT, alive, limit_text, names, pids
 from .rank_process import RankTarget
 
@@ -56,16 +57,23 @@ class RankWatch:
     """For one cell: the directory the ranks report into, the environment that names it, the wrapped
     ``start_processes``; ``gather()`` reads the ranks back and kills any still running."""
 
-    def __init__(self, limit: float | int | None, device: str) -> None:
+    def __init__(self, limit: float | int | None, device: str, bounds: Bounds | None = None) -> None:
         self.limit = limit_text(limit)
         self.device = "cpu" if device == "cpu" else "cuda"
+        # A trial's ranks stop where a trial in the kernel would (``bounds``): the same steady state.
+        self.bounds = bounds.for_ranks() if bounds is not None else None
         self.directory = ""
         self._saved_env: dict[str, str | None] = {}
         self._patched: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> RankWatch:
         self.directory = _cell_directory()
-        values = {ENV_DIR: self.directory, ENV_LIMIT: self.limit, ENV_DEVICE: self.device}
+        values = {
+            ENV_DIR: self.directory,
+            ENV_LIMIT: self.limit,
+            ENV_DEVICE: self.device,
+            ENV_BOUNDS: self.bounds,
+        }
         for key, value in values.items():
             self._saved_env[key] = os.environ.get(key)
             if value is None:
@@ -84,8 +92,7 @@ class RankWatch:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-        if os.path.isdir(self.directory):
-            shutil.rmtree(self.directory, ignore_errors=True)
+        _remove(self.directory)
 
     def _patch(self) -> None:
         # torch.multiprocessing.spawn() calls its own module's start_processes; torch.distributed.elastic
@@ -103,8 +110,13 @@ class RankWatch:
 
         def start_processes(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
             os.makedirs(watch.directory, exist_ok=True)
-            if not isinstance(fn, RankTarget):
-                fn = RankTarget(fn, watch.directory, watch.limit, watch.device)
+            settings = (watch.directory, watch.limit, watch.device, watch.bounds)
+            if _elastic_worker(fn) and args and not isinstance(args[0], RankTarget):
+                # torch.distributed.elastic's worker (notebook_launcher's) hands the user's function's
+                # return back after it: the recorder goes around the user's function, inside the worker.
+                args = (RankTarget(args[0], *settings, indexed=False), *args[1:])
+            elif not isinstance(fn, RankTarget) and not _elastic_worker(fn):
+                fn = RankTarget(fn, *settings, returns=not _hands_results_over(fn))
             return original(fn, args, nprocs, join, daemon, start_method)
 
         start_processes.__doc__ = original.__doc__
@@ -145,6 +157,30 @@ class RankWatch:
         return Ranks.of(list(results.values()))
 
 
-def watch_ranks(limit: float | int | None, device: str) -> RankWatch:
-    """The rank watch of one cell: enter it around the cell, ``gather()`` after it."""
-    return RankWatch(limit, device)
+def _elastic_worker(fn: Any) -> bool:
+    return getattr(fn, "__module__", "") == "torch.distributed.elastic.multiprocessing.api" and (
+        getattr(fn, "__name__", "") == "_wrap"
+    )
+
+
+def _hands_results_over(fn: Any) -> bool:
+    """Whether ``fn`` is a launcher's worker that passes its results to the parent after the user's
+    function returns (Lightning's ``ddp_notebook``/``ddp_spawn`` worker, a bound method of its launcher)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module.startswith(("lightning", "pytorch_lightning", "lightning_fabric"))
+
+
+def _remove(directory: str) -> None:
+    # By full paths, not shutil.rmtree: rmtree removes by names relative to an open directory, which a
+    # trial's file watch (``trial_files``) cannot tell from the user's files.
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
+
+
+def watch_ranks(limit: float | int | None, device: str, bounds: Bounds | None = None) -> RankWatch:
+    """The rank watch of one cell: enter it around the cell, ``gather()`` after it. ``bounds``: the cell
+    runs as a trial, and so do its ranks."""
+    return RankWatch(limit, device, bounds)

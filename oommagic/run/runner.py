@@ -20,26 +20,11 @@ from ..diagnosis.ranks import Ranks
 from ..oom import OOMReport, is_runtime_oom, parse_oom
 from ..options import Settings
 from ..timeline import Recording
+from .bounds import Bounds, TrialStop, bounded
 from .release import drop_bound_by_cell, free_failed_cell, identities
 from .spec import RunSpec
 
 __all__ = ["Attempt", "Bounds", "RunSpec", "TrialStop", "cell_id", "execute"]
-
-
-class TrialStop(Exception):
-    """Ends a bounded trial early on purpose: its steady-state peak was reached, or its time ran out."""
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """How far a trial runs: until the first backward pass after ``steps`` optimizer steps (the
-    optimizer's state exists by then, so the step's peak is the steady one; None: the whole cell), or
-    until ``seconds`` have passed. ``limit`` overrides the options' limit (bytes)."""
-
-    steps: int | None = 1
-    seconds: float | None = None
-    limit: int | None = None
-    backwards: int | None = None  # or stop after this many backward passes, whatever the steps
 
 
 @dataclass
@@ -161,8 +146,8 @@ def execute(
         allocated_before = recorder.allocated()
         stack.enter_context(catch.installed())
         stack.enter_context(in_force(spec.applied, shell, recorder.device))
-        counter = stack.enter_context(_bounded(bounds))
-        ranks = stack.enter_context(watch_ranks(limit, recorder.device))
+        counter = stack.enter_context(bounded(bounds))
+        ranks = stack.enter_context(watch_ranks(limit, recorder.device, bounds))
         t0 = time.perf_counter()
         result = None
         try:
@@ -227,64 +212,6 @@ def execute(
     if held_at_failure is not None:
         attempt.freed = max(held_at_failure - attempt.recording.after_allocated, 0)
     return attempt
-
-
-class _StepCounter:
-    def __init__(self) -> None:
-        self.steps = 0
-        self.running = True
-
-
-@contextlib.contextmanager
-def _bounded(bounds: Bounds | None) -> Iterator[_StepCounter]:
-    """Count optimizer steps; with ``bounds``, end the run by ``TrialStop`` at the first backward pass
-    after that many steps (raised once the backward pass completed, so its peak is recorded) or once its
-    time is up (at the next torch operation on tensors)."""
-    counter = _StepCounter()
-    if bounds is None:
-        yield counter
-        return
-    import torch
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-    from torch.overrides import TorchFunctionMode
-
-    deadline = time.perf_counter() + bounds.seconds if bounds.seconds else None
-
-    def after_step(*_: Any) -> None:
-        counter.steps += 1
-
-    backwards = 0
-
-    class Bounded(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            if not counter.running:
-                return func(*args, **(kwargs or {}))
-            # Only at an operation on tensors: a mode's switch (no_grad's `_set_grad_enabled` on its way
-            # out) stopped here would leave the mode on for the rest of the session.
-            computes = any(isinstance(a, torch.Tensor) for a in args)
-            if deadline is not None and computes and time.perf_counter() > deadline:
-                raise TrialStop(f"time budget of {bounds.seconds:.0f} s reached")
-            nonlocal backwards
-            out = func(*args, **(kwargs or {}))
-            if func is torch.Tensor.backward:
-                backwards += 1
-                if bounds.steps is not None and counter.steps >= bounds.steps:
-                    raise TrialStop(f"steady state: a backward pass after {counter.steps} optimizer steps")
-                if bounds.backwards is not None and backwards >= bounds.backwards:
-                    raise TrialStop(f"ran {backwards} backward passes")
-            return out
-
-    # A stop raised before a torch call can land in a context manager's exit (no_grad's, a dtype
-    # switch's), which then never puts its mode back: the trial does.
-    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
-    handle = register_optimizer_step_post_hook(after_step)
-    try:
-        with Bounded():
-            yield counter
-    finally:
-        handle.remove()
-        torch.set_grad_enabled(grad)
-        torch.set_default_dtype(dtype)
 
 
 def _what_filled(recorder: Any, spaces: list, timeline: Any = None) -> Breakdown | None:

@@ -62,9 +62,8 @@ class Session:
         attempt = execute(self.shell, spec, settings=self.settings)
         run = self._build(spec, attempt)
         if run.outcome == "oom" and run.findings:
-            # A trial would start every rank again, outside the recorded run: distributed cells get the
-            # findings' fixes, not measured.
-            plan = self._plan(run) if run.ranks is None else _unmeasured(run, "distributed")
+            # A distributed cell's trials relaunch its ranks, each bounded as a trial is (``run.plan``).
+            plan = self._plan(run)
             run = replace(run, plan=plan, findings=with_measured(run.findings, plan))
         if run.outcome == "oom":
             drop_new_blas_workspaces(run.device, run.recording.before_allocated)
@@ -271,12 +270,6 @@ class Session:
                 with contextlib.suppress(Exception):  # a view's bug must not fail the run
                     method(run)
         return run
-
-
-def _unmeasured(run: CellRun, why: str) -> Any:
-    from .plan import unmeasured_plan
-
-    return unmeasured_plan(run, why)
 
 
 def _print_progress(line: str) -> None:

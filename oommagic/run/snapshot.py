@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..diagnosis.context import instance_dict
+from ..diagnosis.holdings import is_leaf
 from ..sizes import format_bytes
 from .reach import Reach
 from .restored import Restored
@@ -50,7 +51,7 @@ class _Tensor:
         self.alias = tensor.detach()
         self.saved = tensor.detach().to("cpu", copy=True)
         self.version = _version(tensor)
-        grad = tensor.grad if tensor.is_leaf else None
+        grad = tensor.grad if is_leaf(tensor) else None
         self.grad = grad.detach().to("cpu", copy=True) if grad is not None else None
         self.requires_grad = tensor.requires_grad
 
@@ -80,7 +81,7 @@ class UserState:
         anything) when the copies would not fit in host memory."""
         walk = Reach(namespace)
         nbytes = sum(
-            _bytes(t) + (_bytes(t.grad) if t.is_leaf and t.grad is not None else 0)
+            _bytes(t) + (_bytes(t.grad) if is_leaf(t) and t.grad is not None else 0)
             for t, _, _ in walk.tensors
         )
         nbytes += sum(a.nbytes for a, _, _ in walk.arrays)
@@ -145,6 +146,10 @@ class UserState:
             for kept in self.tensors:
                 with self._naming(kept.path):
                     _restore_tensor(kept)
+        # Views share their base's version counter (`mu, logvar = h.chunk(2)`): writing one back moves the
+        # counter the other read, so the counters are read once every value is back.
+        for kept in self.tensors:
+            kept.version = _version(kept.tensor)
         numpy = sys.modules.get("numpy")
         for array, saved, path in self.arrays:
             with self._naming(path):
@@ -182,7 +187,7 @@ class UserState:
             t = kept.tensor
             if _version(t) != kept.version or t.shape != kept.saved.shape or _ptr(t) != _ptr(kept.alias):
                 differs.append(kept.path)
-            elif t.is_leaf and (t.grad is None) != (kept.grad is None):
+            elif is_leaf(t) and (t.grad is None) != (kept.grad is None):
                 differs.append(f"{kept.path}.grad")
         differs += [path for c, saved, path in self.containers if not _same_contents(c, saved)]
         differs += [path for o, attrs, path in self.objects if not _same_items(instance_dict(o), attrs)]
@@ -285,7 +290,7 @@ def _restore_tensor(kept: _Tensor) -> None:
         # whose base was just written refuses in-place writes of its own (seen on an H100).
         t.detach().copy_(saved)
     kept.version = _version(t)
-    if t.is_leaf:
+    if is_leaf(t):
         grad, saved_grad = t.grad, kept.grad
         if saved_grad is None:
             if grad is not None:

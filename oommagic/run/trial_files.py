@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..sizes import format_bytes
-from .runner import TrialStop
+from .bounds import TrialStop
 from .snapshot import SnapshotTooLarge
 
 # Bytes of files a trial may copy aside to put back (a checkpoint per step of a large model is more).
@@ -46,6 +46,14 @@ def compiler_caches() -> tuple[str, ...]:
     return tuple(os.path.abspath(d) + os.sep for d in dirs if d)
 
 
+def launcher_scratch() -> tuple[str, ...]:
+    """What a distributed cell's trial writes that is the launch's, not the user's: the directory its ranks
+    report into (``run.ranks``, removed after each run), the error files torch's launcher keeps for each
+    rank while it runs and torch.distributed.elastic's log directory (``notebook_launcher``'s)."""
+    temp = os.path.abspath(tempfile.gettempdir())
+    return tuple(os.path.join(temp, p) for p in ("oommagic-ranks-", "pytorch-errorfile-", "torchelastic_"))
+
+
 _watching: TrialFiles | None = None
 _installed = False
 
@@ -68,7 +76,7 @@ class TrialFiles:
         self.kept: dict[str, str | None] = {}
         self.made_dirs: list[str] = []
         self.refused: str | None = None
-        self.caches = compiler_caches()
+        self.caches = compiler_caches() + launcher_scratch()
         self.kept_bytes = 0
         # Files the namespace holds open for writing: (file object, bytes before, position before).
         self.held: dict[str, tuple[Any, int, int | None]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -855,3 +856,26 @@ def test_pinned_memory_is_a_finding_only_when_it_matters():
     assert remedy(found, "free_pinned").automatic
     small = (Pin("_", "_ (IPython's last outputs)", MiB),)
     assert "pinned" not in keys(diagnose(plain_24(), DiagnosisContext(capacity=CARD_24, pins=small)))
+
+
+def test_predictions_gathered_by_a_trainers_evaluation_are_moved_to_the_host_every_few_batches():
+    from oommagic.diagnosis.findings import Gathered
+
+    # predict() over 192 rows at 16 a batch, out of memory with 12 batches of float32 logits gathered.
+    per_batch = 16 * 1024 * 32000 * 4
+    gathered = Gathered(
+        "predict", 12 * per_batch, 12, 192, 12, 192, (192, 1024, 32000), 4, trainer="scorer", args="eval_args"
+    )
+    cell = "scores = scorer.predict(test_ds)\n"
+    ctx = DiagnosisContext(source=cell, evaluating=True, gathered=gathered)
+    found = finding(diagnose(plain_24(requested=per_batch, allocated=22 * GiB), ctx), "gathered")
+    assert "`scorer.predict()` keeps every batch's predictions" in found.evidence
+    assert "192 × 1,024 × 32,000 × 4 bytes" in found.evidence
+    fix = remedy(found, "eval_accumulation")
+    # A quarter of the batches it held: joining the next one to them briefly takes twice their bytes.
+    assert fix.params == {"steps": 3, "target": "scorer.args"}
+    assert fix.new_source.startswith("scorer.args.eval_accumulation_steps = 3")
+    assert fix.saving == 9 * per_batch
+    # Already moved after every batch: nothing left to offer.
+    again = DiagnosisContext(source=cell, evaluating=True, gathered=replace(gathered, accumulation=1))
+    assert "gathered" not in keys(diagnose(plain_24(), again))

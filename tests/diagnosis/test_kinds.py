@@ -81,3 +81,37 @@ def test_a_checkpointing_rewrite_is_made_again_after_another_fix_is_removed():
 def test_a_fix_without_a_rewrite_leaves_the_source_as_it_is():
     source = "loss = model(x).sum()\nloss.backward()\n"
     assert rewrite_again(source, Remedy("autocast", "bfloat16 autocast", automatic=True)) == source
+
+
+def test_eval_accumulation_is_written_where_the_run_reads_it_and_made_again_from_its_params():
+    from oommagic.diagnosis.findings import Gathered
+    from oommagic.diagnosis.remedies import accumulation_target
+
+    made_here = (
+        "trainer = Trainer(model=model, args=TrainingArguments(**cfg, per_device_eval_batch_size=16))\n"
+        "pred = trainer.predict(test_ds)\n"
+    )
+    earlier = Gathered("evaluate", 4096, 2, 32, trainer="trainer", args="args")
+    # The cell makes its Trainer (and the namespace binds the one of the failed attempt): its arguments' call.
+    assert accumulation_target(made_here, earlier) == "call"
+    # A Trainer of an earlier cell: its own arguments; one made from an earlier cell's arguments: those.
+    assert accumulation_target("metrics = trainer.evaluate()\n", earlier) == "trainer.args"
+    from_args = "t = Seq2SeqTrainer(model=m, args=args)\nt.predict(ds)\n"
+    assert accumulation_target(from_args, Gathered("predict", 4096, 2, 32, args="args")) == "args"
+    assert accumulation_target(from_args, Gathered("predict", 4096, 2, 32)) is None
+
+    remedy = Remedy(
+        "eval_accumulation",
+        "eval_accumulation_steps=2",
+        params={"steps": 2, "target": "call"},
+        new_source="x",
+    )
+    again = rewrite_again(made_here, remedy)
+    assert "TrainingArguments(**cfg, per_device_eval_batch_size=16, eval_accumulation_steps=2)" in again
+    on_trainer = Remedy(
+        "eval_accumulation", "", params={"steps": 1, "target": "trainer.args"}, new_source="x"
+    )
+    assert rewrite_again("trainer.evaluate()\n", on_trainer).startswith(
+        "trainer.args.eval_accumulation_steps = 1"
+    )
+    assert tier(remedy) == SAME

@@ -636,3 +636,140 @@ def test_calls_of_plain_modules_go_through_torchs_checkpoint_where_gradients_are
         "z = torch.utils.checkpoint.checkpoint(tower, x.to(device), mask=m, use_reentrant=False)\n"
         "with torch.no_grad():\n    e = tower(y)\n"
     )
+
+
+def test_a_whole_product_read_once_by_a_row_wise_reduction_is_written_into_it():
+    from oommagic.diagnosis.source import inlined_product
+
+    cell = "dist = torch.cdist(Q, K)\nnearest = dist.topk(5, largest=False).indices\nprint(nearest.shape)\n"
+    assert inlined_product(cell, 1) == (
+        "nearest = torch.cdist(Q, K).topk(5, largest=False).indices\nprint(nearest.shape)\n",
+        "dist",
+        1,
+    )
+    # Inside a loop, by name (as the rewrite finds it again), the product a matrix product.
+    loop = "for q in batches:\n    sims = q @ corpus.T\n    best.append(sims.argmax(dim=1))\n"
+    assert inlined_product(loop, name="sims") == (
+        "for q in batches:\n    best.append((q @ corpus.T).argmax(dim=1))\n",
+        "sims",
+        2,
+    )
+    # Read twice, bound again, read by nothing, or no product: the binding stays.
+    assert inlined_product("d = torch.cdist(Q, K)\na = d.argmin(1)\nb = d.argmax(1)\n", 1) is None
+    assert inlined_product("d = torch.cdist(Q, K)\na = d.argmin(1)\nd = 0\n", 1) is None
+    assert inlined_product("d = torch.cdist(Q, K)\nprint(1)\n", 1) is None
+    assert inlined_product("d = Q.sum(dim=1)\na = d.argmin(0)\n", 1) is None
+
+
+def test_a_reduction_whose_dim_defaults_to_the_last_keeps_rows_apart():
+    from oommagic.diagnosis.source import rows_expression
+
+    line = "top = (a @ b).topk(3).indices"
+    node = rows_expression(line, 1)
+    assert ast.get_source_segment(line, node) == "(a @ b).topk(3).indices"
+    line = "order = (a @ b).argsort()"
+    assert ast.get_source_segment(line, rows_expression(line, 1)) == "(a @ b).argsort()"
+    line = "m = (a @ b).argmax()"
+    assert ast.get_source_segment(line, rows_expression(line, 1)) == "a @ b", "argmax of everything"
+
+
+def _work_of(cell: str, loader: list) -> dict:
+    """The optimizer steps and the rows a training cell's forward passes saw, run on stand-ins."""
+    counted = {"steps": 0, "rows": 0}
+
+    class Opt:
+        def zero_grad(self):
+            pass
+
+        def step(self):
+            counted["steps"] += 1
+
+    class Loss:
+        def __truediv__(self, _):
+            return self
+
+        def backward(self):
+            pass
+
+    def net(rows):
+        counted["rows"] += len(rows)
+        return Loss()
+
+    exec(cell, {"loader": loader, "net": net, "opt": Opt()})
+    return counted
+
+
+def test_a_loop_that_stops_on_its_count_stops_after_as_many_whole_steps():
+    from oommagic.diagnosis.rewrite import accumulate_loops
+
+    loop = (
+        "for i, (x, y) in enumerate(loader):\n"
+        "    if i >= 5:\n"
+        "        break\n"
+        "    loss = crit(net(x), y)\n"
+        "    opt.zero_grad()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    if i + 1 == max_steps:\n"
+        "        break\n"
+    )
+    assert accumulate_loops(loop, 4) == (
+        "micro_step = 0\n"
+        "for i, (x, y) in enumerate(loader):\n"
+        "    if i % 4 == 0 and (i // 4 >= 5):\n"
+        "        break\n"
+        "    loss = crit(net(x), y)\n"
+        "    if micro_step % 4 == 0:\n"
+        "        opt.zero_grad()\n"
+        "    (loss / 4).backward()\n"
+        "    micro_step += 1\n"
+        "    if micro_step % 4 == 0:\n"
+        "        opt.step()\n"
+        "    if i % 4 == 3 and (i // 4 + 1 == max_steps):\n"
+        "        break\n"
+    )
+    # Run on batches of 12 rows, and of 12 / k rows with k micro-batches a step: the same optimizer steps
+    # and rows, whether the stop comes before the step or after it.
+    body = "    loss = net(x)\n    opt.zero_grad()\n    loss.backward()\n    opt.step()\n"
+    for stop, before, steps in (
+        ("i == 2", True, 2),
+        ("i + 1 == 3", False, 3),
+        ("i >= 3", True, 3),
+        ("i > 1", False, 3),
+    ):
+        check = f"    if {stop}:\n        break\n"
+        cell = "for i, x in enumerate(loader):\n" + (check + body if before else body + check)
+        for k in (1, 2, 3):
+            written = accumulate_loops(cell, k) if k > 1 else cell
+            assert _work_of(written, [list(range(12 // k))] * 40) == {"steps": steps, "rows": 12 * steps}, (
+                written
+            )
+
+
+def test_a_dict_of_tensors_splatted_into_a_model_runs_on_chunks_of_every_value():
+    from oommagic.diagnosis.source import inlined_product
+
+    cell = "with torch.no_grad():\n    out = bert(**enc)\n    vecs = out.last_hidden_state.mean(dim=1)\n"
+    inlined, name, line = inlined_product(cell, 2, modules=frozenset({"bert"}))
+    assert (name, line) == ("out", 2)
+    assert inlined == "with torch.no_grad():\n    vecs = bert(**enc).last_hidden_state.mean(dim=1)\n"
+    new = split_rows_source(inlined, "bert(**enc).last_hidden_state.mean(dim=1)", "enc", 4, "bert")
+    assert new == (
+        "with torch.no_grad():\n    vecs = torch.cat([bert(**{key: value[rows:rows + 4] for key, value in "
+        "enc.items()}).last_hidden_state.mean(dim=1) "
+        "for rows in range(0, len(next(iter(enc.values()))), 4)])\n"
+    )
+    # Run on a stand-in model: the same rows, in order, from chunks of every value.
+    import torch
+
+    class Out:
+        def __init__(self, h):
+            self.last_hidden_state = h
+
+    def bert(input_ids, attention_mask):
+        return Out(input_ids[:, :, None].float() * attention_mask[:, :, None])
+
+    enc = {"input_ids": torch.arange(30).reshape(10, 3), "attention_mask": torch.ones(10, 3)}
+    ns = {"torch": torch, "bert": bert, "enc": enc}
+    exec(new, ns)
+    assert torch.equal(ns["vecs"], bert(**enc).last_hidden_state.mean(dim=1))

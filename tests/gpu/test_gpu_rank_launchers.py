@@ -4,7 +4,8 @@ The kernel has started no CUDA when the cell runs (as a notebook about to fork i
 ``accelerate.notebook_launcher`` and Lightning's ``ddp_notebook`` fork, ``torch.multiprocessing.spawn``
 spawns, ``!torchrun`` runs a script that records itself with ``oommagic.rank_recorder()``. One rank runs
 out of memory (a 6 GiB request over a 4 GiB per-rank ``--limit``) in the forward pass, inside the backward
-pass or in the optimizer step. Each test: the cell ends within 30 s of the first failure, the headline and
+pass or in the optimizer step (no fix fits a 6 GiB request: the cells run no fix plan, whose trials on ranks
+are ``test_gpu_rank_plan.py``'s). Each test: the cell ends within 30 s of the first failure, the headline and
 the table name the rank and its own device, no stray context is reported that the code did not open, no
 rank process is left, each GPU's memory is back to its level before the cell (NVML), and the kernel still
 has not started CUDA. Skipped without two CUDA devices. Run with ``-s``: each test prints what it measured.
@@ -137,7 +138,7 @@ def assert_one_rank_ran_out(record: dict, rank: int, raised: bool = True) -> Non
 def test_notebook_launcher(tmp_path):
     pytest.importorskip("accelerate")
     launch = (
-        "%%gpumem --limit 4GiB --text\nfrom accelerate import notebook_launcher\n"
+        "%%gpumem --limit 4GiB --text --plan-budget 0\nfrom accelerate import notebook_launcher\n"
         "notebook_launcher(lambda *a: train(int(os.environ['LOCAL_RANK']), 2, *a), args=({args}),"
         " num_processes=2, use_port='{port}')\n"
     )
@@ -163,7 +164,7 @@ def test_spawn(tmp_path, wrap, phase):
     records = run_notebook(
         tmp_path,
         "import gpu_train, torch.multiprocessing as mp\nbefore = gpu_used()",
-        f"%%gpumem --limit 4GiB --text\n"
+        f"%%gpumem --limit 4GiB --text --plan-budget 0\n"
         f"mp.spawn(gpu_train.train, args=(2, {phase!r}, 0, {wrap!r}, {free_port()}), nprocs=2)",
         "check(before)",
     )
@@ -186,7 +187,8 @@ def test_torchrun_script(tmp_path):
     records = run_notebook(
         tmp_path,
         f"before = gpu_used()\nos.environ['PYTHONPATH'] += os.pathsep + {str(tmp_path)!r}",
-        f"%%gpumem --limit 4GiB --text\n!{{sys.executable}} -m torch.distributed.run --nproc_per_node 2"
+        f"%%gpumem --limit 4GiB --text --plan-budget 0\n"
+        f"!{{sys.executable}} -m torch.distributed.run --nproc_per_node 2"
         f" --master_port {free_port()} {tmp_path / 'script.py'}",
         "check(before)",
     )
@@ -217,7 +219,7 @@ def test_lightning_ddp_notebook(tmp_path):
     records = run_notebook(
         tmp_path,
         LIGHTNING + "before = gpu_used()",
-        "%%gpumem --limit 4GiB --text\n"
+        "%%gpumem --limit 4GiB --text --plan-budget 0\n"
         "trainer = pl.Trainer(accelerator='gpu', devices=2, strategy='ddp_notebook', max_steps=10,"
         " logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\n"
         "trainer.fit(Model())",

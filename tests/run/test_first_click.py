@@ -304,6 +304,8 @@ def test_a_loader_made_in_an_earlier_cell_is_remade_with_a_smaller_batch(shell, 
     assert new.dataset is old.dataset and type(new.sampler) is type(old.sampler) and new.drop_last
     assert new.batch_size * remedy.params["accumulate"] == 128
     assert old.batch_size == 128, "the person's loader itself is left as it was"
+    # The cell says what the kernel runs: it re-batches the loader itself, so running it again does the same.
+    assert f"train_loader = oommagic.rebatched(train_loader, {new.batch_size})" in fitted.source
 
 
 PREPARED_SETUP = (
@@ -923,3 +925,85 @@ def test_plain_modules_the_cell_calls_get_checkpointed_calls_measured(shell, run
     )
     fitted = session_for(shell).retry(failed, entry.fixes)
     assert fitted.outcome == "ok", fitted.headline()
+
+
+def test_a_similarity_matrix_bound_to_a_name_then_reduced_runs_on_chunks_of_queries_and_fits(shell, run_cell):
+    # A retrieval cell in two statements: the 3,000 × 12,000 similarities (137 MiB) pass a 96 MiB card;
+    # the top 4 of each row are what the cell keeps.
+    run_cell(
+        "torch.manual_seed(0)\ncorpus = torch.nn.functional.normalize(torch.randn(12000, 48), dim=1)\n"
+        "questions = torch.nn.functional.normalize(torch.randn(3000, 48), dim=1)"
+    )
+    expected = (shell.user_ns["questions"][:40] @ shell.user_ns["corpus"].T).topk(4).indices
+    cell = "scores = questions @ corpus.T\nhits = scores.topk(4).indices\nprint(hits.shape)\n"
+    failed, fix, fitted = first_click(96, cell, shell, run_cell)
+    assert failed.context.rows_call is not None and failed.context.rows_call.inlined == "scores"
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "scores =" not in fitted.source and "for rows in questions.split(" in fitted.source
+    assert "`scores` is not kept" in fix.fixes[0].explanation
+    assert torch.equal(shell.user_ns["hits"][:40], expected), "the same hits"
+    assert tuple(shell.user_ns["hits"].shape) == (3000, 4)
+
+
+def test_a_loader_loop_that_stops_on_its_count_keeps_its_steps_and_samples_when_accumulating(shell, run_cell):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    shell.run_cell(
+        "torch.manual_seed(0)\nfrom torch.utils.data import DataLoader, TensorDataset\n"
+        "clf = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 4))\n"
+        "adam = torch.optim.Adam(clf.parameters())\n"
+        "feats, tags = torch.randn(2048, 256), torch.randint(0, 4, (2048,))"
+    )
+    cell = (
+        "loader = DataLoader(TensorDataset(feats, tags), batch_size=512, shuffle=True)\n"
+        "for it, (xb, yb) in enumerate(loader):\n"
+        "    loss = torch.nn.functional.cross_entropy(clf(xb), yb)\n"
+        "    adam.zero_grad()\n"
+        "    loss.backward()\n"
+        "    adam.step()\n"
+        "    if it == 1:\n"
+        "        break\n"
+    )
+    rows: list[int] = []
+    shell.user_ns["clf"].register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
+    run_cell(f"%%gpumem --limit 8MiB --quiet --no-raise --plan-budget 60\n{cell}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    widget = ReportWidget(failed, session_for(shell))
+    first = widget.fixes[0]
+    assert first.kind == "batch" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
+    steps: list[int] = []
+    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
+    rows.clear()
+    try:
+        fitted = widget.click(first.kind)
+    finally:
+        handle.remove()
+    assert fitted.outcome == "ok", fitted.headline()
+    assert len(steps) == 2 and sum(rows) == 1024, (len(steps), rows, fitted.source)
+
+
+def test_a_tokenizers_output_splatted_into_an_encoder_at_once_runs_on_chunks_of_rows_and_fits(
+    shell, run_cell
+):
+    # Every sentence through a BERT at once (`bert(**enc)`, the dict a tokenizer returns), its output read
+    # in the next statement: the attention of all 512 rows passes a 150 MiB card.
+    run_cell(
+        "import transformers\nfrom transformers import BertConfig, BertModel\n"
+        "transformers.logging.set_verbosity_error()\ntorch.manual_seed(0)\n"
+        "bert = BertModel(BertConfig(vocab_size=3000, hidden_size=128, num_hidden_layers=2,\n"
+        "                            num_attention_heads=4, intermediate_size=512)).eval()\n"
+        "ids = torch.randint(5, 3000, (512, 256))\n"
+        "enc = {'input_ids': ids, 'attention_mask': torch.ones_like(ids)}"
+    )
+    with torch.no_grad():
+        ns = shell.user_ns
+        expected = ns["bert"](**{k: v[:8] for k, v in ns["enc"].items()}).last_hidden_state.mean(dim=1)
+    cell = "with torch.no_grad():\n    out = bert(**enc)\n    vecs = out.last_hidden_state.mean(dim=1)\n"
+    _, fix, fitted = first_click(150, cell, shell, run_cell)
+    assert fix.kind == "split_rows" and fix.verdict == "fits", fix
+    assert fitted.outcome == "ok", fitted.headline()
+    assert "for key, value in enc.items()" in fitted.source and "out =" not in fitted.source
+    assert tuple(shell.user_ns["vecs"].shape) == (512, 128)
+    assert torch.allclose(shell.user_ns["vecs"][:8], expected, atol=1e-5), "the same vectors"

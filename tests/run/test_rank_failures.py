@@ -70,7 +70,7 @@ def test_no_rank_waits_after_one_runs_out(run_cell, wrap, phase):
     # Joined by hand, as a launcher of one's own does: nothing but the tool ends rank 0 (torch's own join
     # would terminate it), and nothing raises in the cell.
     result, out = run_cell(
-        "%%gpumem --limit 64MiB --device cpu --text\n"
+        "%%gpumem --limit 64MiB --device cpu --text --plan-budget 0\n"  # no plan: the stop is the test
         + DDP_CELL
         + f"ranks = mp.start_processes(ddp, args=({free_port()}, 1, {phase!r}, {wrap!r}), nprocs=2,"
         " start_method='fork', join=False)\nfor process in ranks.processes:\n    process.join()"
@@ -147,7 +147,8 @@ def test_torchrun_from_the_cell(run_cell, tmp_path):
     headline says which rank ran out, asking for what."""
     (tmp_path / "train.py").write_text(TORCHRUN_SCRIPT)
     result, out = run_cell(
-        "%%gpumem --limit 64MiB --device cpu --text\nimport os, sys\npath = os.pathsep.join(sys.path)\n"
+        "%%gpumem --limit 64MiB --device cpu --text --plan-budget 0\n"
+        "import os, sys\npath = os.pathsep.join(sys.path)\n"
         f"!PYTHONPATH={{path}} {{sys.executable}} -m torch.distributed.run --nproc_per_node 2"
         f" --master_port {free_port()} {tmp_path / 'train.py'}"
     )

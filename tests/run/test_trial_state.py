@@ -233,3 +233,40 @@ def test_a_compilers_cache_folder_is_no_file_of_the_users(tmp_path, monkeypatch)
     with pytest.raises(FileTooLarge), files.watching():
         shutil.rmtree(mine)
     assert "removes the directory" in files.refused
+
+
+def test_views_of_a_multi_output_op_whose_base_was_written_are_snapshotted_and_put_back():
+    """`mu, logvar = h.chunk(2)` left by an earlier cell, their base then written in place (a restore
+    writing one view bumps the counter both share): `is_leaf` and `grad_fn` raise on such a view. On an
+    H100 every trial of a VAE cell then "could not start"; the snapshot must take them and put them back."""
+    from oommagic.run.snapshot import UserState
+
+    w = torch.randn(4, 6, requires_grad=True)
+    h = w * 2
+    mu, logvar = h.chunk(2, dim=1)
+    h.detach().add_(1)
+    with pytest.raises(RuntimeError, match="modified inplace"):
+        _ = mu.is_leaf  # what the snapshot used to ask
+    namespace = {"mu": mu, "logvar": logvar}
+    before = (mu.detach().clone(), logvar.detach().clone())
+    state = UserState.take(namespace)
+    mu.detach().mul_(0)
+    logvar.detach().add_(5)
+    state.restore(namespace)
+    assert torch.equal(mu.detach(), before[0]) and torch.equal(logvar.detach(), before[1])
+    assert state.verify(namespace) == ()
+
+
+def test_a_scan_reads_views_whose_base_was_written_without_raising(shell):
+    shell.run_cell(
+        "import torch\nw = torch.randn(64, 8, requires_grad=True)\nh = w * 2\nmu, logvar = h.chunk(2, dim=1)"
+    )
+    shell.run_cell("h.detach().add_(1)")
+    result = shell.run_cell(
+        "%%gpumem --limit 5MiB --quiet --no-raise --plan-budget 4\n"
+        "batch_size = 256\nx = torch.ones(batch_size, 64, 256, requires_grad=True)\ny = (x * 2).sum()"
+    )
+    assert result.success, result.error_in_exec
+    run = oommagic.history()[-1]
+    assert run.outcome == "oom"
+    assert not any("could not start" in e.note for e in run.plan.entries), [e.note for e in run.plan.entries]

@@ -287,3 +287,33 @@ def eval_batch_literal(source: str, batch: EvalBatch) -> ast.expr | None:
                 if kw.arg == batch.name and int_literal(kw.value) == batch.value:
                     return kw.value
     return None
+
+
+# The classes a Hugging Face Trainer takes its settings from: TrainingArguments and its subclasses
+# (Seq2SeqTrainingArguments, TRL's configs).
+TRAINING_ARGUMENTS = re.compile(r"(\w*TrainingArguments|SFTConfig|DPOConfig|ORPOConfig|KTOConfig|GRPOConfig)")
+
+
+def arguments_calls(source: str) -> tuple[str, ...]:
+    """The names of the Trainer-argument classes the cell calls (``TrainingArguments``,
+    ``Seq2SeqTrainingArguments``, ``SFTConfig``), in source order, each once."""
+    tree = tree_of(source)
+    if tree is None:
+        return ()
+    found: dict[str, None] = {}
+    for node in sorted(
+        (n for n in ast.walk(tree) if isinstance(n, ast.Call)), key=lambda n: (n.lineno, n.col_offset)
+    ):
+        last = dotted_name(node.func).rsplit(".", 1)[-1]
+        if TRAINING_ARGUMENTS.fullmatch(last):
+            found[last] = None
+    return tuple(found)
+
+
+def assigned_names(source: str) -> frozenset[str]:
+    """The plain names the cell binds (``trainer = Trainer(...)``, loop targets, ``with ... as``): objects
+    every run of it makes anew."""
+    tree = tree_of(source)
+    if tree is None:
+        return frozenset()
+    return frozenset(n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))

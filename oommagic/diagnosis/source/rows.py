@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-from .parse import MODEL_INPUTS, dotted_name, int_literal, signed_int_literal, tree_of
+from .parse import MODEL_INPUTS, SourceText, dotted_name, int_literal, signed_int_literal, tree_of
 
 # Calls autocast runs in a lower precision: matrix products and convolutions (torch's autocast op lists).
 _PRODUCTS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm", "einsum", "linear", "conv1d", "conv2d"})
@@ -69,6 +69,8 @@ class RowWise:
     product: bool
     fields: tuple[str, ...] = ()
     module: str | None = None
+    # The name is a dict of tensors splatted into the model (``bert(**enc)``): its every value is cut.
+    splat: bool = False
 
     @property
     def pair(self) -> bool:
@@ -77,14 +79,20 @@ class RowWise:
         return bool(self.fields)
 
 
+# Reductions whose ``dim`` defaults to the last one (``dist.topk(5)``): along the rows' other dimension.
+_LAST_DIM = frozenset({"topk", "kthvalue", "sort", "argsort"})
+
+
 def _dim_of(call: ast.Call, position: int) -> int | None:
-    """The int ``dim`` a call passes, by keyword or at ``position``; None where it passes none."""
+    """The int ``dim`` a call passes, by keyword or at ``position``; -1 where it passes none and the
+    function's default is the last dimension; None otherwise."""
     for k in call.keywords:
         if k.arg == "dim":
             return signed_int_literal(k.value)
     if len(call.args) > position:
         return signed_int_literal(call.args[position])
-    return None
+    name = dotted_name(call.func).rsplit(".", 1)[-1]
+    return -1 if name in _LAST_DIM else None
 
 
 def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise | None:
@@ -108,7 +116,7 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
     if isinstance(node, ast.Attribute):
         inner = row_wise(node.value, modules)
         read = inner is not None and node.attr in inner.fields
-        return RowWise(inner.spine, inner.product, module=inner.module) if read else None
+        return RowWise(inner.spine, inner.product, module=inner.module, splat=inner.splat) if read else None
     if isinstance(node, ast.Subscript):
         inner = row_wise(node.value, modules)
         at = int_literal(node.slice)
@@ -118,7 +126,7 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
             and at is not None
             and at < (2 if "indices" in inner.fields else 1)
         )
-        return RowWise(inner.spine, inner.product, module=inner.module) if read else None
+        return RowWise(inner.spine, inner.product, module=inner.module, splat=inner.splat) if read else None
     if not isinstance(node, ast.Call):
         return None
     name = dotted_name(node.func)
@@ -126,6 +134,15 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
     if name in modules and len(node.args) == 1 and all(k.arg is not None for k in node.keywords):
         inner = row_wise(node.args[0], modules)
         return RowWise(inner.spine, True, module=name) if inner and not inner.pair else None
+    if (
+        name in modules
+        and not node.args
+        and len(node.keywords) == 1
+        and node.keywords[0].arg is None
+        and isinstance(node.keywords[0].value, ast.Name)
+    ):
+        # A model called on a dict of tensors (a tokenizer's output, `bert(**enc)`): rows of each value.
+        return RowWise(node.keywords[0].value, True, fields=_OUTPUT_FIELDS, module=name, splat=True)
     if name in modules and not node.args and len(node.keywords) == 1 and node.keywords[0].arg in MODEL_INPUTS:
         # A transformers model called on its one input by keyword (`enc(input_ids=ids)`); its output is
         # read through a tensor field (`.last_hidden_state`), which ``_OUTPUT_FIELDS`` lets through.
@@ -148,7 +165,9 @@ def row_wise(node: ast.expr, modules: frozenset[str] = frozenset()) -> RowWise |
             dim = _dim_of(node, 1 if last in ("topk", "kthvalue") else 0)
             if dim is not None and dim != 0:
                 fields = ("values", "indices") if last in _PAIRS else ()
-                return RowWise(inner.spine, inner.product, fields=fields, module=inner.module)
+                return RowWise(
+                    inner.spine, inner.product, fields=fields, module=inner.module, splat=inner.splat
+                )
         return None
     if not node.args:
         return None
@@ -185,3 +204,65 @@ def rows_expression(source: str, line: int, modules: frozenset[str] = frozenset(
         if found is not None and found.product and not found.pair and node is not found.spine:
             return node
     return None
+
+
+def inlined_product(
+    source: str, line: int | None = None, name: str = "", modules: frozenset[str] = frozenset()
+) -> tuple[str, str, int] | None:
+    """``(source, name, line)``: the cell with a whole product or a model's output (``modules``) bound to a
+    name and read once (``dist = torch.cdist(Q, K)``, then ``nearest = dist.topk(5, largest=False).indices``;
+    ``out = bert(**enc)``, then ``vecs = out.last_hidden_state.mean(dim=1)``) written into
+    the one expression that reads it, the binding gone: the product then runs on chunks of rows with the
+    reduction after it, and only the reduced rows are joined (a product kept whole is as large joined as
+    it was). The binding is the statement on ``line``, or the one binding ``name``; the name must be read
+    by one later statement of its block, once, and never bound again in the cell; the line returned is
+    the read's in the new source. None otherwise."""
+    tree = tree_of(source)
+    if tree is None:
+        return None
+    for block in _blocks(tree):
+        for i, stmt in enumerate(block):
+            if not (
+                isinstance(stmt, ast.Assign)
+                and len(stmt.targets) == 1
+                and isinstance(stmt.targets[0], ast.Name)
+                and (name == stmt.targets[0].id if name else stmt.lineno <= (line or 0) <= stmt.end_lineno)
+            ):
+                continue
+            target = stmt.targets[0].id
+            found = row_wise(stmt.value, modules)
+            if found is None or not found.product or found.spine is stmt.value:
+                return None
+            reads = [
+                (j, n)
+                for j, later in enumerate(block[i + 1 :], i + 1)
+                for n in ast.walk(later)
+                if isinstance(n, ast.Name) and n.id == target
+            ]
+            stores = [
+                n
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Name) and n.id == target and isinstance(n.ctx, ast.Store)
+            ]
+            if len(reads) != 1 or len(stores) != 1 or not isinstance(reads[0][1].ctx, ast.Load):
+                return None
+            src = SourceText(source)
+            product = src.segment(stmt.value)
+            at, to = src.span(reads[0][1])
+            start = src.offset(stmt.lineno, 0)
+            end = src.offset(stmt.end_lineno, stmt.end_col_offset)
+            end += 1 if source[end : end + 1] == "\n" else 0
+            atomic = isinstance(stmt.value, ast.Call | ast.Attribute | ast.Name | ast.Subscript)
+            text = source[:at] + (product if atomic else f"({product})") + source[to:]
+            read_line = reads[0][1].lineno - (stmt.end_lineno - stmt.lineno + 1)
+            return text[:start] + text[end:], target, read_line
+    return None
+
+
+def _blocks(tree: ast.AST):
+    """Every statement list of the tree (the module's body, loops', branches', functions')."""
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list) and block and isinstance(block[0], ast.stmt):
+                yield block

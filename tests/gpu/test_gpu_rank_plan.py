@@ -1,0 +1,196 @@
+"""GPU: a fix measured on every rank (issue #24, build 5), on two GPUs from a ``%%gpumem`` cell of a real
+kernel (nbclient). DDP over NCCL; rank 1 keeps a 1 GiB buffer rank 0 does not, so under the per-rank
+``--limit 3GiB`` its batch of 16384 rows does not fit while rank 0's does. The plan relaunches the ranks for
+each trial; its first entry must fit on every rank (within the margin of each rank's own limit), and
+pressing it (the report's button, through ``ReportWidget.click``) must fit on both GPUs, with each rank
+taking the cell's optimizer steps on as many samples each (the global batch kept), no rank process left,
+and each GPU's memory back to its level before the cell (NVML).
+
+``torch.multiprocessing.spawn`` imports its function from a module, so there the cell hands the batch and
+the accumulation steps to it (a training script's usual arguments) and the fix rewrites those two numbers;
+``accelerate.notebook_launcher`` forks a function the cell defines, and the fix rewrites its loop. Skipped
+without two CUDA devices. Run with ``-s``: each test prints the plan and the per-rank figures.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.gpu.test_gpu_rank_launchers import SETUP, free_port
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
+
+GiB = 1024**3
+STEPS, BATCH, WORLD = 6, 16384, 2
+
+# `seen[rank]`: the optimizer steps AdamW itself counted and the rows the rank's loop took, in CPU memory
+# shared with the kernel. The kernel makes it before the ranks start: no CUDA in the kernel.
+MODULE = """
+import datetime, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+def train(rank, world, port, batch_size, grad_accum_steps, steps, seen):
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=10), device_id=device)
+    layers = (torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
+    model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device), device_ids=[rank])
+    optimizer = torch.optim.AdamW(model.parameters())
+    cache = torch.empty(1024**3, dtype=torch.uint8, device=device) if rank == 1 else None
+    for step in range(steps * grad_accum_steps):
+        x = torch.randn(batch_size, 4096, device=device)
+        (model(x).square().mean() / grad_accum_steps).backward()
+        seen[rank, 1] += x.shape[0]
+        if (step + 1) % grad_accum_steps == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    seen[rank, 0] = int(optimizer.state[model.module[0].weight]["step"])
+    torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+"""
+
+LAUNCHED = """
+import datetime, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from accelerate import notebook_launcher
+batch_size = {batch}
+def work(batch_size, seen):
+    rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=device)
+    layers = (torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
+    model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device), device_ids=[rank])
+    optimizer = torch.optim.AdamW(model.parameters())
+    cache = torch.empty(1024**3, dtype=torch.uint8, device=device) if rank == 1 else None
+    for step in range({steps}):
+        x = torch.randn(batch_size, 4096, device=device)
+        loss = model(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen[rank, 1] += x.shape[0]
+    seen[rank, 0] = int(optimizer.state[model.module[0].weight]["step"])
+    torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+notebook_launcher(work, args=(batch_size, seen), num_processes=2, use_port="{port}")
+"""
+
+# The failed cell's plan, then its first offered fix pressed as the button does, both read back.
+PRESS = """
+from oommagic.run.session import session_for
+from oommagic.view.widget import ReportWidget
+failed = oommagic.history()[-1]
+first = failed.plan.entries[0]
+widget = ReportWidget(failed, session_for(get_ipython()))
+offered = widget.fixes[0].kind
+fitted = widget.click(offered)
+time.sleep(1)  # NVML's figures settle once the processes are reaped
+def children():
+    # Every rank of the failed run, of each trial and of the pressed run was a child of this kernel.
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            mine.append(int(pid))
+    return mine
+def ranks_of(run):
+    return [[r.rank, r.device, r.status, r.steps, r.peak_reserved, r.limit] for r in run.ranks.results]
+print("PLAN " + json.dumps({
+    "failed": failed.outcome, "failed_ranks": ranks_of(failed), "summary": failed.plan.summary,
+    "lines": [e.title + ": " + e.line() for e in failed.plan.entries],
+    "verdict": first.verdict, "kind": first.kind, "params": first.fixes[0].params,
+    "budget": first.budget, "peak": first.peak, "new_source": first.fixes[0].new_source,
+    "offered": offered, "fitted": fitted.outcome, "fitted_ranks": ranks_of(fitted),
+    "fitted_source": fitted.source, "seen": seen.tolist(),
+    "alive": [r.pid for run in oommagic.history() if run.ranks for r in run.ranks.results if alive(r.pid)],
+    "children": children(),
+    "before": before, "after": gpu_used(), "kernel_cuda": torch.cuda.is_initialized(),
+}))
+"""
+
+
+def plan_record(tmp_path, *cells: str) -> dict:
+    pytest.importorskip("nbclient")
+    from tests.test_kernel import execute, notebook, texts
+
+    nb = notebook(f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n" + SETUP, *cells, PRESS)
+    # Each trial starts two NCCL ranks (seconds each): the cell's plan has minutes, not the default budget.
+    execute(nb, allow_errors=True, timeout=900)
+    for cell in nb.cells:
+        print(texts(cell)[-6000:])
+    (record,) = [
+        json.loads(line[5:])
+        for cell in nb.cells
+        for line in texts(cell).splitlines()
+        if line.startswith("PLAN ")
+    ]
+    print(json.dumps({k: v for k, v in record.items() if "source" not in k}, indent=1))
+    return record
+
+
+def assert_fits_on_every_rank(record: dict) -> None:
+    assert record["failed"] == "oom"
+    assert "oom" in [r[2] for r in record["failed_ranks"]], "a rank ran out of memory"
+    # The first entry fits on every rank: rank 1 is the tightest, within the margin of its own 3 GiB.
+    assert record["verdict"] == "fits", record["lines"]
+    assert "tightest of 2 ranks: rank 1 (cuda:1)" in record["lines"][0]
+    assert record["budget"] == 3 * GiB and record["peak"] <= 0.95 * 3 * GiB
+    # A smaller per-rank batch with accumulation: the global batch kept.
+    params = record["params"]
+    assert (
+        record["kind"] == "batch" and params["new"] < BATCH and params["new"] * params["accumulate"] == BATCH
+    )
+    # Pressed, it fits on both GPUs, each rank on its own, within the margin of its own limit.
+    assert record["offered"] == "batch" and record["fitted"] == "ok"
+    fitted = record["fitted_ranks"]
+    assert [r[:4] for r in fitted] == [[0, "cuda:0", "ok", STEPS], [1, "cuda:1", "ok", STEPS]]
+    assert all(r[5] == 3 * GiB and r[4] <= 0.95 * r[5] for r in fitted)
+    # Every rank took the cell's optimizer steps, on as many samples each: the global batch kept.
+    assert [steps for steps, _ in record["seen"]] == [STEPS, STEPS]
+    assert sum(rows for _, rows in record["seen"]) // STEPS == WORLD * BATCH
+    # What "Apply to cell" and `%gpumem --fix 1` write is what was measured and pressed.
+    assert record["fitted_source"] == record["new_source"]
+    assert record["alive"] == [] and record["children"] == [], "a rank process is left"
+    assert not record["kernel_cuda"], "the kernel started CUDA"
+    for index, used in record["before"].items():
+        assert record["after"][index] <= used + 64 * 1024**2, f"GPU {index} holds memory after the plan"
+
+
+def test_spawn_plan_fits_on_every_rank(tmp_path):
+    (tmp_path / "gpu_plan_train.py").write_text(MODULE)
+    record = plan_record(
+        tmp_path,
+        "import gpu_plan_train, torch.multiprocessing as mp\nbefore = gpu_used()",
+        "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
+        f"batch_size = {BATCH}\ngrad_accum_steps = 1\n"
+        "seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()\n"
+        f"mp.spawn(gpu_plan_train.train, args=(2, {free_port()}, batch_size, grad_accum_steps, {STEPS},"
+        " seen), nprocs=2)",
+    )
+    assert_fits_on_every_rank(record)
+    assert f"grad_accum_steps = {record['params']['accumulate']}" in record["fitted_source"]
+
+
+def test_notebook_launcher_plan_fits_on_every_rank(tmp_path):
+    pytest.importorskip("accelerate")
+    record = plan_record(
+        tmp_path,
+        "before = gpu_used()",
+        "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
+        + LAUNCHED.format(batch=BATCH, steps=STEPS, port=free_port()),
+    )
+    assert_fits_on_every_rank(record)
+    assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]

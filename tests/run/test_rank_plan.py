@@ -1,0 +1,284 @@
+"""A fix measured on every rank (issue #24, build 5): after a rank of a distributed cell runs out of
+memory, the plan relaunches the ranks with each candidate for a bounded trial and reads every rank's
+record; "fits" only where no rank ran out and every rank's peak keeps the margin against its own budget.
+
+On CPU (gloo, ``--device cpu --limit``): two ranks forked from the cell, the way
+``accelerate.notebook_launcher`` starts them, the training function defined in the cell. Rank 1 holds 4 MiB
+more than rank 0 (a buffer only it keeps), so its batch of 512 does not fit under the 8 MiB limit while
+rank 0's does. The batch fix is a smaller per-rank batch with accumulation: each optimizer step of each rank
+still sees 512 samples, the global batch 1024.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+import oommagic
+from oommagic.diagnosis.plan import DOES_NOT_FIT, FITS, NOT_MEASURED
+from oommagic.diagnosis.rank_trials import trial_of_ranks
+from oommagic.diagnosis.ranks import RankResult, Ranks
+from oommagic.diagnosis.write_back import cell_write
+from oommagic.run.ranks import alive
+from oommagic.run.session import session_for
+from oommagic.view.widget import ReportWidget
+
+MiB = 1024**2
+STEPS, BATCH, WORLD = 3, 512, 2
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# `seen[rank]`: the optimizer steps Adam itself counted and the samples the rank's loop took, in memory
+# shared with the kernel (a forked rank's prints and files are not the test's to read).
+CELL = """\
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+batch_size = {batch}
+def work(rank, port, batch_size, seen):
+    torch.set_num_threads(1)  # a forked child hangs in libgomp's barrier if it reuses the kernel's pool
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    opt = torch.optim.Adam(model.parameters())
+    cache = torch.zeros(4 * 1024 * 1024, dtype=torch.uint8) if rank == 1 else None
+    for step in range({steps}):
+        x = torch.randn(batch_size, 128)
+        loss = model(x).square().mean()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        opt.step()
+        opt.zero_grad()
+        seen[rank, 1] += x.shape[0]
+    seen[rank, 0] = int(opt.state[model[0].weight]["step"])
+    dist.destroy_process_group()
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+mp.start_processes(work, args=({port}, batch_size, seen), nprocs=2, start_method="fork")
+"""
+
+
+def children() -> set[int]:
+    """Live child processes of this process: every rank of a run or a trial was one."""
+    mine = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            mine.append(int(pid))
+    return set(mine)
+
+
+@pytest.fixture
+def trained_before(shell):
+    # A notebook that launches ranks has imported what an optimizer step imports (torch._dynamo's
+    # pieces): forked ranks inherit it instead of importing it each (seconds on two busy cores).
+    shell.run_cell(
+        "_warm = torch.nn.Linear(2, 2); _warm_opt = torch.optim.Adam(_warm.parameters())\n"
+        "_warm(torch.ones(1, 2)).sum().backward(); _warm_opt.step()\ndel _warm, _warm_opt"
+    )
+    before = set(shell.user_ns)
+    yield
+    for name in set(shell.user_ns) - before:
+        shell.user_ns.pop(name, None)
+
+
+def test_the_first_fix_fits_on_every_rank_when_pressed(shell, run_cell, trained_before):
+    started_with = children()
+    run_cell(
+        "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\n"
+        + CELL.format(batch=BATCH, steps=STEPS, port=free_port())
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.ranks.out_of_memory.rank == 1
+    assert [r.status for r in failed.ranks.results] == ["stopped", "oom"]
+
+    first = failed.plan.entries[0]
+    assert first.verdict == FITS, [e.line() for e in failed.plan.entries]
+    (fix,) = first.fixes
+    assert fix.kind == "batch" and fix.params["new"] * fix.params["accumulate"] == BATCH
+    assert fix.params["new"] < BATCH
+    # Measured on the ranks, rank 1 named: the tightest, within the margin of its own 8 MiB.
+    assert "tightest of 2 ranks: rank 1 (cpu)" in first.line()
+    assert first.budget == 8 * MiB and first.peak <= 0.95 * 8 * MiB
+
+    widget = ReportWidget(failed, session_for(shell))
+    assert widget.fixes[0].kind == "batch"
+    fitted = widget.click("batch")
+
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [r.status for r in fitted.ranks.results] == ["ok", "ok"]
+    # Every rank kept the margin it was promised, against its own limit.
+    assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
+    # The work is kept: every rank took the optimizer steps the cell as written takes, each step of each
+    # rank on 512 samples, so the global batch is 1024 as written.
+    seen = shell.user_ns["seen"].tolist()
+    assert [steps for steps, _ in seen] == [STEPS, STEPS]
+    assert [r.steps for r in fitted.ranks.results] == [STEPS, STEPS]
+    assert sum(samples for _, samples in seen) // STEPS == WORLD * BATCH
+    assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
+    # What "Apply to cell" and `%gpumem --fix 1` write is what was measured and pressed.
+    assert fitted.source == fix.new_source
+    assert cell_write(fitted.source, fitted.original, ()).body == fix.new_source
+
+
+LIGHTNING = """\
+import torch, pytorch_lightning as pl
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))
+    def training_step(self, batch, index):
+        if self.global_rank == 1 and not hasattr(self, "cache"):
+            self.cache = torch.zeros(4 * 1024 * 1024, dtype=torch.uint8)
+        return self.body(batch).square().mean()
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+"""
+
+
+def test_lightning_ddp_notebook_gets_its_accumulation(shell, run_cell, trained_before):
+    """Lightning's ``ddp_notebook`` forks its ranks and hands their results back over a queue: a trial's
+    rank ends once both reported. The fix writes ``accumulate_grad_batches`` beside the smaller batch."""
+    pytest.importorskip("pytorch_lightning")
+    started_with = children()
+    shell.run_cell(LIGHTNING)
+    run_cell(
+        "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\n"
+        "torch.set_num_threads(1)\n"
+        f"loader = torch.utils.data.DataLoader(torch.randn(4096, 128), batch_size={BATCH})\n"
+        f"trainer = pl.Trainer(accelerator='cpu', devices=2, strategy='ddp_notebook', max_steps={STEPS},\n"
+        "    logger=False, enable_checkpointing=False, enable_progress_bar=False,\n"
+        "    enable_model_summary=False)\n"
+        "trainer.fit(Net(), loader)"
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.ranks.out_of_memory.rank == 1
+    first = failed.plan.entries[0]
+    assert first.verdict == FITS and "tightest of 2 ranks: rank 1 (cpu)" in first.line(), first.line()
+    (fix,) = first.fixes
+    assert fix.params["new"] * fix.params["accumulate"] == BATCH and fix.params["new"] < BATCH
+    assert f"accumulate_grad_batches={fix.params['accumulate']}" in fix.new_source
+
+    fitted = ReportWidget(failed, session_for(shell)).click("batch")
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
+    assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
+    assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
+
+
+# --- the verdict of a trial's ranks, with data ---------------------------------------------------------
+
+
+def rank(i, status="ok", peak=4 * MiB, limit=8 * MiB, **kw):
+    return RankResult(
+        rank=i, pid=100 + i, status=status, peak_allocated=peak, peak_reserved=peak, limit=limit, **kw
+    )
+
+
+def test_a_rank_that_ran_out_decides_and_is_named():
+    seen = trial_of_ranks(
+        Ranks.of(
+            [rank(0, "stopped", stopped_by=1), rank(1, "oom", 7 * MiB, requested=2 * MiB, failed_at=1.0)]
+        )
+    )
+    assert seen.verdict == DOES_NOT_FIT and seen.rank.rank == 1
+    assert seen.note == "rank 1 (cpu) ran out of memory asking for 2.00 MiB under its 8.00 MiB"
+
+
+def test_the_tightest_rank_is_by_its_own_budget():
+    # Rank 0 holds more bytes, but rank 1's smaller card is the fuller one.
+    ranks = Ranks.of(
+        [rank(0, peak=6 * MiB, limit=16 * MiB, steps=2), rank(1, peak=5 * MiB, limit=6 * MiB, steps=2)]
+    )
+    seen = trial_of_ranks(ranks)
+    assert seen.verdict is None and seen.rank.rank == 1 and seen.steps == 2
+    assert seen.note == "tightest of 2 ranks: rank 1 (cpu)"
+
+
+def test_ranks_that_took_different_steps_or_ran_out_of_time_are_no_fit():
+    uneven = trial_of_ranks(Ranks.of([rank(0, steps=2), rank(1, steps=3)]))
+    assert uneven.verdict == DOES_NOT_FIT and "rank 0 2, rank 1 3" in uneven.note
+    late = trial_of_ranks(Ranks.of([rank(0, steps=1), rank(1, "timed_out", steps=1)]))
+    assert late.verdict == NOT_MEASURED and late.note == "rank 1 ran out of the time budget"
+
+
+def test_a_limit_bounds_the_allocator_alone():
+    # Under a per-process limit the memory outside PyTorch (CUDA context, NCCL) is not counted against it;
+    # against the whole card it is.
+    assert rank(0, outside=MiB).held == 4 * MiB
+    assert rank(0, outside=MiB, limit=None, capacity=16 * MiB).held == 5 * MiB
+
+
+def test_which_fixes_reach_the_ranks():
+    from oommagic.diagnosis.findings import Remedy
+    from oommagic.diagnosis.kinds import reaches_ranks
+
+    assert reaches_ranks(Remedy("batch", "b", params={"where": "namespace"}))
+    assert reaches_ranks(Remedy("checkpointing", "c", new_source="x = 1"))
+    # Switched on for a model of the kernel's namespace, checkpointing stays in the kernel.
+    assert not reaches_ranks(Remedy("checkpointing", "c", params={"models": ["model"]}))
+    assert not reaches_ranks(Remedy("autocast", "a"))
+    # quantize's rewrite needs autocast held in the kernel beside it.
+    assert not reaches_ranks(Remedy("quantize", "q", new_source="x = 1"))
+
+
+def test_a_plan_says_which_fixes_it_could_not_try_on_the_ranks():
+    from oommagic.cellrun import CellRun
+    from oommagic.diagnosis.findings import Finding, Remedy
+    from oommagic.diagnosis.ranks import in_every_rank
+    from oommagic.run.plan import _unreached
+    from oommagic.timeline import Recording
+
+    finding = Finding(
+        "activations",
+        "Activations",
+        "e",
+        remedies=(
+            Remedy("batch", "Batch 512 → 128, accumulate 4 steps", automatic=True, new_source="b = 1"),
+            Remedy("autocast", "bfloat16 autocast", automatic=True),
+            Remedy("expandable_segments", "Expandable segments", automatic=True),
+        ),
+    )
+    findings = in_every_rank((finding,))
+    assert [r.automatic for r in findings[0].remedies] == [True, False, False]
+    run = CellRun(source="", recording=Recording(device="cpu"), outcome="oom", findings=findings)
+    assert _unreached(run) == (
+        " Not tried: bfloat16 autocast, Expandable segments: a setting of this kernel's process, which does "
+        "not reach the ranks (its snippet goes into the rank function)."
+    )
+
+
+def test_a_rank_in_a_trial_stops_at_the_steady_state(tmp_path):
+    """A trial's bounds reach the rank: it stops at the first backward pass after its optimizer steps, as
+    the trial in the kernel would, reports itself "ok" with where it stopped, and returns (the launcher sees
+    no failure)."""
+    import torch
+
+    from oommagic.run.bounds import Bounds
+    from oommagic.run.rank_process import RankRecorder
+
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    taken = 0
+    with RankRecorder(str(tmp_path), None, "cpu", 0, Bounds(steps=2, seconds=60).for_ranks()):
+        for _ in range(10):
+            model(torch.ones(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            taken += 1
+    (name,) = [p.name for p in tmp_path.iterdir() if not p.name.startswith("pid-")]
+    result = json.loads((tmp_path / name).read_text())
+    assert name.startswith("ok-rank0-") and taken == 2
+    assert result["steps"] == 2 and result["trial_stop"].startswith("steady state")
