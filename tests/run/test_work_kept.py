@@ -273,6 +273,9 @@ def test_a_loader_of_an_earlier_cell_handed_to_lightnings_fit_is_rebatched_with_
     )
     assert fitted.outcome == "ok", fitted.headline()
     assert written == {"steps": 2, "samples": 4096} and clicked == written, (clicked, written)
+    # The cell says what runs: the loader re-batched and the trainer's accumulation beside it.
+    assert "oommagic.rebatched(train_loader," in fitted.source, fitted.source
+    assert "lit_trainer.accumulate_grad_batches = " in fitted.source, fitted.source
     assert shell.user_ns["lit_trainer"].accumulate_grad_batches > 1
 
 
