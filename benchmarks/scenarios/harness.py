@@ -6,7 +6,7 @@ nothing of it is bound in the user's namespace, so the product's trials never se
 - ``after(ns)``: memory after the failure, checksums again, and the report (findings, plan, offered fixes).
 - ``click(ns, kind)``: presses a fix on the report widget and records the new run.
 - The work a run did: optimizer steps (a global optimizer step hook) and training samples (a forward
-  pre-hook on the namespace's outermost models, counting the leading dimension of the first tensor argument
+  pre-hook on the namespace's outermost models, loss modules left out, counting the leading dimension of the first tensor argument
   of calls made in training mode with autograd on), counted from the failing cell's start to its plan's
   first trial, and over each click; ``check(ns, expr)`` evaluates a scenario's own check after a click.
 Each prints one ``@@SC@@{json}`` line that the runner reads.
@@ -55,7 +55,13 @@ def count_work(ns) -> None:
     """Hook the optimizer steps (once) and the outermost models of the namespace; zero the counts."""
     if not STATE.get("step_hook"):
         STATE["step_hook"] = register_optimizer_step_post_hook(_count_step)
-    models = [o for o in objects(ns).values() if isinstance(o, torch.nn.Module)]
+    # A loss module (`criterion = nn.CrossEntropyLoss()`) is called on the model's output: counting its
+    # rows too counted every sample twice (user_micro_step's 1024 of 512, the cell as written included).
+    models = [
+        o
+        for o in objects(ns).values()
+        if isinstance(o, torch.nn.Module) and not isinstance(o, torch.nn.modules.loss._Loss)
+    ]
     inner = {id(m) for o in models for m in o.modules() if m is not o}
     for m in models:
         if id(m) not in inner and m not in HOOKED:

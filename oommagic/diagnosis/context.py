@@ -98,6 +98,7 @@ class NamespaceScan:
     call_batch: BatchGuess | None = None
     rows_batch: BatchGuess | None = None
     object_batch: BatchGuess | None = None
+    sliced_batch: BatchGuess | None = None
     frames: tuple[Frame, ...] = ()
     kept: tuple[Kept, ...] = ()
     grad_enabled: bool | None = None
@@ -159,6 +160,7 @@ def scan_namespace(
             call_batch=default_batch(source, namespace),
             rows_batch=_quietly(rows_batch, source, namespace, helpers),
             object_batch=_quietly(object_batch, source, namespace),
+            sliced_batch=_quietly(sliced_batch, source, namespace),
             rows_call=_quietly(rows_call, source, namespace, line),
             generate_call=_quietly(generate_call, error),
             batch_call=_quietly(batch_call, error, namespace, source),
@@ -457,13 +459,17 @@ def make_context(
         limit=recording.limit,
         device=recording.device,
         leftovers=tuple(x for x in scan.leftovers if x.name not in gone),
-        batch=cell.find_batch(source, ints, batch_name)
-        or scan.settings_batch
-        or cell.step_batch(source)
-        or cell.shape_batch(source, ints)
-        or scan.call_batch
-        or scan.rows_batch
-        or scan.object_batch,
+        batch=sliced_first(
+            source,
+            cell.find_batch(source, ints, batch_name)
+            or scan.settings_batch
+            or cell.step_batch(source)
+            or cell.shape_batch(source, ints)
+            or scan.call_batch
+            or scan.rows_batch
+            or scan.object_batch,
+            None if batch_name else scan.sliced_batch,
+        ),
         models=scan.models,
         optimizers=scan.optimizers,
         other_gpus=other_gpus,
@@ -780,10 +786,12 @@ def rows_batch(
         step = None
     if step is None:
         return None
+    sliced = dict(step.sizes)  # bound by the step itself: `sliced_batch` reads those
     tensors = {
         name: value
         for name in step.inputs
-        if isinstance(value := namespace.get(step.outside(name)), torch.Tensor)
+        if name not in sliced
+        and isinstance(value := namespace.get(step.outside(name)), torch.Tensor)
         and not isinstance(value, torch.nn.Parameter)
         and not value.requires_grad
         and value.dim() >= 1
@@ -802,6 +810,87 @@ def rows_batch(
     if step.span(names) is None:
         return None
     return BatchGuess("rows", rows, "rows", path=names)
+
+
+def sliced_batch(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch of a training step that slices it off a tensor itself (``chunk = stream[it * mb:(it + 1)
+    * mb]``, ``x, y = X[idx], Y[idx]`` with ``idx = torch.randperm(n)[:b]``): the rows of those slices,
+    read from a literal of the cell or an int of the namespace (``mb``, ``cfg.b``, ``S["batch"]``), with
+    the names bound to slices of as many rows. Read from plain dicts and instance dicts only."""
+    step = cell.whole_step(source)
+    if step is None or not step.sizes:
+        return None
+    text = ast.unparse(step.sizes[0][1])
+    names = tuple(n for n, size in step.sizes if ast.unparse(size) == text)
+    value = _count_of(step.sizes[0][1], source, namespace)
+    if value is None or value < 2 or step.span(names) is None:
+        return None
+    return BatchGuess(text, value, "rows", path=names)
+
+
+def _count_of(node: ast.expr, source: str, namespace: Mapping) -> int | None:
+    """The int ``node`` (a literal, a name, an attribute or key chain) stands for: a name's one literal
+    binding in the cell, else its value in the namespace; a chain read from dicts and instance dicts."""
+    if isinstance(node, ast.Constant):
+        return node.value if type(node.value) is int else None
+    if isinstance(node, ast.Name):
+        tree = cell.tree_of(source)
+        bound = (
+            [cell.int_literal(b.value) for b in cell.binding_sites(tree) if b.name == node.id] if tree else []
+        )
+        if bound:
+            return bound[0] if len(bound) == 1 else None
+        value = namespace.get(node.id)
+        return value if type(value) is int else None
+    if isinstance(node, ast.Attribute):
+        owner, key = node.value, node.attr
+    elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        owner, key = node.value, node.slice.value
+    else:
+        return None
+    holder = _held_at(owner, namespace)
+    value = holder.get(key) if type(holder) is dict else instance_dict(holder).get(key)
+    return value if type(value) is int else None
+
+
+def _held_at(node: ast.expr, namespace: Mapping) -> Any:
+    """The object a name or attribute/key chain reaches, through dicts and instance dicts only."""
+    if isinstance(node, ast.Name):
+        return namespace.get(node.id)
+    if isinstance(node, ast.Attribute):
+        return instance_dict(_held_at(node.value, namespace)).get(node.attr)
+    if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+        holder = _held_at(node.value, namespace)
+        return holder.get(node.slice.value) if type(holder) is dict else None
+    return None
+
+
+def sliced_first(source: str, found: BatchGuess | None, sliced: BatchGuess | None) -> BatchGuess | None:
+    """The batch guess to use: the step's own slices (``sliced``) before a batch found by its name or a
+    setting of the cell (``found``), since a smaller number there would change the rows each slice takes
+    and with them the samples of each optimizer step and of the whole loop; not before a setting of an
+    object, a loader, a call's default, or a ``range`` loop stepping by that number (its rewrite keeps the
+    samples already)."""
+    if sliced is None:
+        return found
+    if found is None:
+        return sliced
+    if found.where in ("attribute", "object", "loader", "call", "option", "rows"):
+        return found
+    tree = cell.tree_of(source)
+    steps = (
+        {
+            ast.unparse(n.iter.args[2])
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.For, ast.AsyncFor))
+            and isinstance(n.iter, ast.Call)
+            and cell.dotted_name(n.iter.func) == "range"
+            and len(n.iter.args) == 3
+        }
+        if tree is not None
+        else set()
+    )
+    return found if sliced.name in steps else sliced
 
 
 def _module_at(namespace: Mapping, dotted: str) -> Any:
@@ -928,6 +1017,37 @@ def loader_batch(source: str, namespace: Mapping, line: int | None) -> BatchGues
         size = _sampler_batch(namespace.get(name))
         if size is not None:
             return BatchGuess(f"{name}.batch_size", size, "loader", path=(name,))
+    return _handed_loader(source, namespace)
+
+
+def _handed_loader(source: str, namespace: Mapping) -> BatchGuess | None:
+    """The batch of a loader made earlier that the cell hands to a trainer's ``fit`` (Lightning's
+    ``trainer.fit(model, train_loader)`` or ``train_dataloaders=``), which iterates it through its own
+    wrappers: its ``batch_size``, with the trainer's ``accumulate_grad_batches`` beside it. Read from
+    instance dicts only."""
+    tree = cell.tree_of(source)
+    if tree is None:
+        return None
+    # A trainer the cell makes itself is made again by every run: a setting of the old one is lost.
+    made = {s.name for s in cell.binding_sites(tree) if s.keyword is None}
+    for node in ast.walk(tree):
+        if not (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fit"
+        ):
+            continue
+        owner = cell.dotted_name(node.func.value)
+        held = namespace.get(owner) if owner not in made else None
+        steps = instance_dict(held).get("accumulate_grad_batches")
+        if type(steps) is not int or steps < 1:
+            continue
+        # The training loaders only: `val_dataloaders=` feeds the validation between epochs.
+        for arg in [*node.args[1:2], *(k.value for k in node.keywords if k.arg == "train_dataloaders")]:
+            if not isinstance(arg, ast.Name):
+                continue
+            size = _sampler_batch(namespace.get(arg.id))
+            if size is not None:
+                accumulation = (f"{owner}.accumulate_grad_batches", steps)
+                return BatchGuess(f"{arg.id}.batch_size", size, "loader", accumulation, path=(arg.id,))
     return None
 
 

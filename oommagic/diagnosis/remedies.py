@@ -457,6 +457,11 @@ def batch_source(
             f"import oommagic  # {loader}: the same data in batches of {new} (made with {guess.value})\n"
             f"{loader} = oommagic.rebatched({loader}, {new})\n"
         )
+        if guess.accumulation is not None and acc > 1:
+            # A trainer that iterates the loader (Lightning's fit) accumulates over the smaller batches
+            # with its own setting, which also divides the loss.
+            path, steps = guess.accumulation
+            return head + f"{path} = {steps * acc}\n" + source, True
         return head + (body or source), keeps
     written = guess.where in WRITTEN
     taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}

@@ -71,7 +71,11 @@ def rewrite_batch(
         )
         if not nodes:
             return None
-        return _checked(_apply(source, [(*src.span(n), str(new_value)) for n in nodes]))
+        edits = [(*src.span(n), str(new_value)) for n in nodes]
+        if accumulate > 1:
+            # An accumulation the cell writes itself scales with the smaller batch here too.
+            edits.extend(_accumulation_edits(src, tree, binding_sites(tree), [], accumulate))
+        return _checked(_apply(source, edits))
     sites = binding_sites(tree)
     batch = [s for s in sites if s.name == guess.name and int_literal(s.value) is not None]
     batch = [s for s in batch if int_literal(s.value) == guess.value] or batch
@@ -107,7 +111,77 @@ def accumulates(source: str) -> bool:
     if tree is None:
         return False
     sites = binding_sites(tree)
-    return bool(_accumulation_literals(sites) or _training_args_calls(tree) or _lightning_trainer_calls(tree))
+    return bool(
+        _accumulation_literals(sites)
+        or own_accumulation(tree)
+        or _training_args_calls(tree)
+        or _lightning_trainer_calls(tree)
+    )
+
+
+def own_accumulation(tree: ast.Module) -> list[tuple[ast.expr, ast.Call]]:
+    """The person's own gradient accumulation, whatever its names: in a training loop, an ``if`` whose test
+    is ``<count> % N == 0`` and whose body steps an optimizer (``if (i + 1) % accum == 0: opt.step()``).
+    Each as (``N``, the loop's backward call)."""
+    found = []
+    for loop in ast.walk(tree):
+        if not isinstance(loop, (ast.For, ast.While)) or not _trains_in(loop):
+            continue
+        backward = next(
+            n
+            for stmt in _statements(loop.body)
+            for n in ast.walk(stmt)
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        )
+        for block in _blocks(loop.body):
+            for stmt in block:
+                test = stmt.test if isinstance(stmt, ast.If) else None
+                every = (
+                    test.left.right
+                    if isinstance(test, ast.Compare)
+                    and len(test.ops) == 1
+                    and isinstance(test.ops[0], ast.Eq)
+                    and int_literal(test.comparators[0]) == 0
+                    and isinstance(test.left, ast.BinOp)
+                    and isinstance(test.left.op, ast.Mod)
+                    else None
+                )
+                if every is not None and any(step_call(n) == "step" for s in stmt.body for n in ast.walk(s)):
+                    found.append((every, backward))
+    return found
+
+
+def _own_accumulation_edits(
+    src: SourceText, tree: ast.Module, sites: list[Binding], accumulate: int
+) -> list[tuple[int, int, str]]:
+    """Scale the person's own accumulation (``own_accumulation``) by ``accumulate``: a name bound once to a
+    literal in the cell has that literal multiplied (its every use scales: the test and the loss's
+    divisor); otherwise the test's ``N`` becomes ``N * accumulate`` and the loss is divided by
+    ``accumulate`` as well. Either way each optimizer step sums as many samples as before, once each."""
+    edits: list[tuple[int, int, str]] = []
+    done: set[int] = set()
+    for every, backward in own_accumulation(tree):
+        bound = [s for s in sites if isinstance(every, ast.Name) and s.name == every.id]
+        if len(bound) == 1 and int_literal(bound[0].value) is not None:
+            if id(bound[0].value) not in done:
+                done.add(id(bound[0].value))
+                edits.append((*src.span(bound[0].value), str(int_literal(bound[0].value) * accumulate)))
+            continue
+        value = int_literal(every)
+        # `% accum` → `% (accum * 4)`: `%` and `*` bind alike, left to right.
+        scaled = str(value * accumulate) if value is not None else f"({src.segment(every)} * {accumulate})"
+        edits.append((*src.span(every), scaled))
+        if id(backward) not in done:
+            done.add(id(backward))
+            loss = _loss_of(backward)
+            bare = isinstance(loss, (ast.Name, ast.Attribute, ast.Call, ast.Subscript))
+            product = isinstance(loss, ast.BinOp) and isinstance(loss.op, (ast.Mult, ast.Div))
+            text = src.segment(loss) if bare or product else f"({src.segment(loss)})"
+            loss_text = f"{text} / {accumulate}"
+            # `loss.backward()` needs parentheses around the division; `(a / 2).backward()` has them.
+            wrap = loss is backward.func.value and bare
+            edits.append((*src.span(loss), f"({loss_text})" if wrap else loss_text))
+    return edits
 
 
 def scale_accumulation(source: str, accumulate: int) -> str | None:
@@ -142,6 +216,8 @@ def _accumulation_edits(
     literal = _accumulation_literals(sites)
     if literal:
         return [(*src.span(s.value), str(int_literal(s.value) * accumulate)) for s in literal]
+    if own_accumulation(tree):
+        return _own_accumulation_edits(src, tree, sites, accumulate)
     if any(s.name in ACCUMULATION_NAMES for s in sites):
         return []  # set from a variable we cannot see into: leave it, the explanation says so
     edits = []
@@ -660,7 +736,8 @@ def micro_batch_source(
 ) -> str | None:
     """The cell with its training step on whole tensors (``whole_step``) run on micro-batches of at most
     ``most`` of their ``rows``: the statements from the forward pass to the backward pass loop over
-    ``zip(X.tensor_split(k), y.tensor_split(k))`` with ``names`` read through their micro-batch, each
+    ``zip(X.tensor_split(k), y.tensor_split(k))`` (rows the step slices itself: ``chunk.split(most)``)
+    with ``names`` read through their micro-batch, each
     micro-batch's loss weighted by its share of the rows (its mean over all of them, as before), the
     gradients summed by the backward passes; ``zero_grad()`` before the micro-batches and the optimizer's
     ``step()`` after them run once per step, as before. Lines after the backward pass that read both what
@@ -712,7 +789,10 @@ def micro_batch_source(
     top, bottom = span[0].lineno - 1, span[-1].end_lineno
     taken_lines = {i for m in moved for i in range(m.lineno - 1, m.end_lineno)}
     targets = ", ".join(chunk[n] for n in names)
-    splits = [f"{n}.tensor_split({parts})" for n in names]
+    # Rows a step slices itself can come short (the last slice of the data): `split` by the most rows
+    # never makes an empty micro-batch, whose mean loss would be NaN; whole tensors split evenly.
+    sliced = set(names) <= {n for n, _ in step.sizes}
+    splits = [f"{n}.split({most})" if sliced else f"{n}.tensor_split({parts})" for n in names]
     over = splits[0] if len(names) == 1 else f"zip({', '.join(splits)})"
     body = [
         f"    {line}" if line.strip() else line
@@ -759,6 +839,15 @@ def rebuild_loader(source: str, keyword: str, variable: str, batch_size: int) ->
         if isinstance(node, ast.Call)
         for k in node.keywords
         if k.arg == keyword and isinstance(k.value, ast.Name) and k.value.id == variable
+    ]
+    # Passed by position (`trainer.validate(model, val_loader)`): where that method takes ``keyword``.
+    at = {"dataloaders": ("validate", "test", "predict"), "val_dataloaders": ("fit",)}.get(keyword, ())
+    edits += [
+        (*src.span(a), new)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in at
+        for a in node.args[(2 if node.func.attr == "fit" else 1) :][:1]
+        if isinstance(a, ast.Name) and a.id == variable
     ]
     if not edits:
         return None

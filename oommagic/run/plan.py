@@ -180,6 +180,8 @@ class _Measure:
                 entry = self.entry((remedy,))
                 if remedy.kind == "split_rows":
                     entry = self.smaller_chunks(entry)
+                elif remedy.kind == "eval_batch":
+                    entry = self.smaller_eval_batches(entry)
                 elif remedy.kind == "eval_accumulation":
                     entry = self.sooner_to_host(entry)
             except SnapshotTooLarge:
@@ -248,6 +250,22 @@ class _Measure:
             if entry.verdict == LIKELY_FITS and halved.verdict != FITS:
                 break  # no better: the likely fit stays, said as such
             entry = halved
+        return entry
+
+    def smaller_eval_batches(self, entry: PlanEntry) -> PlanEntry:
+        """An evaluation batch that still ran out, halved again until it fits or reaches 1: its first size
+        came from halving once, and the failed run's figures are a lower bound (a Lightning ``validate``
+        whose loader came from an earlier cell needed an eighth of the batch). Each trial runs the whole
+        evaluation, every row of it."""
+        from ..diagnosis import remedies as fix
+
+        ctx = self.run.context
+        found = ctx.eval_batch if ctx is not None else None
+        while found is not None and entry.verdict == DOES_NOT_FIT and not entry.note and self.left() > 0:
+            new = entry.fixes[0].params.get("new", 1) // 2
+            if new < 1:
+                break
+            entry = self.entry((fix.eval_batch(ctx, figures(self.run.report, ctx), found, new),))
         return entry
 
     def sooner_to_host(self, entry: PlanEntry) -> PlanEntry:

@@ -152,17 +152,33 @@ _LIGHTNING_STAGES = {
 }
 
 
+# Where each trainer method takes those loaders by position (`trainer.validate(model, val_loader)`).
+_POSITIONS = {"validate": 1, "test": 1, "predict": 1, "fit": 2}
+
+
+def _loader_passed(node: ast.Call, method: str, keyword: str) -> ast.expr | None:
+    """What the call ``node`` of ``method`` passes for ``keyword``: by that keyword, or by its position."""
+    if node.func.attr != method:
+        return None
+    passed = next((k.value for k in node.keywords if k.arg == keyword), None)
+    at = _POSITIONS.get(method)
+    if passed is None and at is not None and len(node.args) > at:
+        passed = node.args[at]
+    return None if isinstance(passed, ast.Starred) else passed
+
+
 def passed_loader(source: str, hook: str) -> tuple[str, str | None] | None:
     """(keyword, the name passed, or None for an expression) where the cell hands the trainer the loaders
-    ``hook`` would make (``trainer.validate(model, dataloaders=val_loader)``); None where it passes none."""
+    ``hook`` would make (``trainer.validate(model, dataloaders=val_loader)``, or by position:
+    ``trainer.validate(model, val_loader)``); None where it passes none."""
     tree = tree_of(source)
     if tree is None:
         return None
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             for method, keyword in _LIGHTNING_STAGES.get(hook, ()):
-                passed = next((k.value for k in node.keywords if k.arg == keyword), None)
-                if node.func.attr == method and passed is not None:
+                passed = _loader_passed(node, method, keyword)
+                if passed is not None:
                     return keyword, passed.id if isinstance(passed, ast.Name) else None
     return None
 
@@ -179,8 +195,8 @@ def lightning_eval_batch(source: str, hook: str) -> EvalBatch | None:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
             continue
         for method, keyword in _LIGHTNING_STAGES.get(hook, ()):
-            passed = next((k.value for k in node.keywords if k.arg == keyword), None)
-            if node.func.attr == method and passed is not None:
+            passed = _loader_passed(node, method, keyword)
+            if passed is not None:
                 found = _loader_batch(tree, passed)
                 if found is None:
                     return None  # passed, but not made here: the hook is not what the trainer reads

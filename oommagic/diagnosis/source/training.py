@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from .parse import MODEL_INPUTS, called_names, contains, dotted_name, passes_true, tree_of
+from .slices import rows_taken
 
 
 @dataclass(frozen=True)
@@ -25,7 +26,10 @@ class WholeStep:
     call's first argument or its ``input_ids=`` (or another model input's keyword), in source order: the
     model's input among them. Where the step is in a function the cell defines and calls once (``def
     train(model, X, y): ...`` and ``train(net, X_tr, y_tr)``), ``function`` names it, the inputs are its
-    parameters and ``arguments`` maps each parameter to the name the call passes for it."""
+    parameters and ``arguments`` maps each parameter to the name the call passes for it. ``sizes``: the
+    inputs the step binds itself by slicing rows off a tensor (``chunk = stream[it * mb:(it + 1) * mb]``,
+    ``x, y = X[idx], Y[idx]`` with ``idx = torch.randperm(n)[:b]``), each with the expression of its rows
+    (``mb``, ``b``): the step's batch comes from slice arithmetic."""
 
     block: tuple[ast.stmt, ...]
     last: int
@@ -34,6 +38,7 @@ class WholeStep:
     fed: tuple[tuple[str, str], ...]
     function: str = ""
     arguments: tuple[tuple[str, str], ...] = ()
+    sizes: tuple[tuple[str, ast.expr], ...] = ()
 
     def outside(self, name: str) -> str:
         """The name of the cell's namespace an input or a callee stands for: for a training function of the
@@ -104,6 +109,7 @@ def whole_step(source: str) -> WholeStep | None:
         block = inner.body
     last = next(i for i, s in enumerate(block) if contains(s, back))
     bound = _bound_other_than_moved(tree, function)
+    sizes, slicing = _sliced_rows(tree, block[:last])
     fed: list[tuple[int, int, str, str]] = []
     sliced: set[str] = set()
     called: set[str] = set()
@@ -113,7 +119,8 @@ def whole_step(source: str) -> WholeStep | None:
             continue  # what an optimizer's zero_grad() or step() reads is no input of the step
         for node in ast.walk(stmt):
             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name):
-                sliced.add(node.value.id)
+                if node.value.id not in sizes or _takes_rows(node):
+                    sliced.add(node.value.id)
             elif isinstance(node, ast.Call):
                 if isinstance(node.func, ast.Name):
                     called.add(node.func.id)
@@ -127,7 +134,11 @@ def whole_step(source: str) -> WholeStep | None:
                     for a in given
                     if isinstance(a, ast.Name)
                 )
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in bound:
+            elif (
+                isinstance(node, ast.Name)
+                and isinstance(node.ctx, ast.Load)
+                and (node.id not in bound or (node.id in sizes and i not in slicing))
+            ):
                 at = (i, node.lineno, node.col_offset)
                 firsts[node.id] = min(firsts.get(node.id, at), at)
     # In the order the source reads them (a walk visits an outer call's arguments before inner ones).
@@ -146,8 +157,43 @@ def whole_step(source: str) -> WholeStep | None:
         passed = {p: _unmoved(v).id for p, v in args.items() if isinstance(_unmoved(v), ast.Name)}
         if not reads:
             return None
-        return WholeStep(tuple(block), last, back, reads, feeds, function.name, tuple(passed.items()))
-    return WholeStep(tuple(block), last, back, reads, feeds)
+        sized = tuple((n, sizes[n]) for n, _ in reads if n in sizes)
+        return WholeStep(tuple(block), last, back, reads, feeds, function.name, tuple(passed.items()), sized)
+    sized = tuple((n, sizes[n]) for n, _ in reads if n in sizes)
+    return WholeStep(tuple(block), last, back, reads, feeds, sizes=sized)
+
+
+def _sliced_rows(tree: ast.Module, block: list[ast.stmt]) -> tuple[dict[str, ast.expr], set[int]]:
+    """The names ``block`` binds (once in the cell) to rows sliced off a tensor, each with the expression
+    of its rows (``slices.rows_taken``), and the indexes of the statements that bind them."""
+    stored: dict[str, int] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            stored[node.id] = stored.get(node.id, 0) + 1
+    sizes: dict[str, ast.expr] = {}
+    binding: set[int] = set()
+    for i, stmt in enumerate(block):
+        if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1):
+            continue
+        target, value = stmt.targets[0], stmt.value
+        pairs = (
+            list(zip(target.elts, value.elts, strict=False))
+            if isinstance(target, ast.Tuple) and isinstance(value, ast.Tuple)
+            else [(target, value)]
+        )
+        for t, v in pairs:
+            size = rows_taken(v, sizes) if isinstance(t, ast.Name) else None
+            if size is not None and stored.get(t.id) == 1:
+                sizes[t.id] = size
+                binding.add(i)
+    return sizes, binding
+
+
+def _takes_rows(node: ast.Subscript) -> bool:
+    """Whether a subscript picks rows (``x[0]``, ``x[:8]``), not only later dimensions (``x[:, :-1]``)."""
+    key = node.slice.elts[0] if isinstance(node.slice, ast.Tuple) and node.slice.elts else node.slice
+    whole = isinstance(key, ast.Slice) and key.lower is None and key.upper is None and key.step is None
+    return not whole
 
 
 def _single_call(tree: ast.Module, name: str) -> ast.Call | None:
