@@ -203,3 +203,50 @@ def test_notebook_launcher_plan_fits_on_every_rank(tmp_path):
     )
     assert_fits_on_every_rank(record)
     assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
+
+
+# Lightning's `ddp_notebook` forks the ranks from the kernel. `seen[rank]`: the optimizer steps Lightning took
+# (`global_step`) and the rows its training steps saw. The loader is the cell's, one row repeated (no data
+# to hold): the batch is its `batch_size`, the fix's accumulation Lightning's `accumulate_grad_batches`.
+LIGHTNING_PLAN = """
+import torch, pytorch_lightning as pl
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+class Wide(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        layers = (torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
+        self.body = torch.nn.Sequential(*layers)
+    def training_step(self, batch, index):
+        if self.global_rank == 1 and not hasattr(self, "cache"):
+            self.cache = torch.empty(1024**3, dtype=torch.uint8, device=self.device)
+        seen[self.global_rank, 1] += batch.shape[0]
+        return self.body(batch).square().mean()
+    def on_train_end(self):
+        seen[self.global_rank, 0] = self.trainer.global_step
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+rows = torch.randn(1, 4096).expand({rows}, 4096)
+loader = torch.utils.data.DataLoader(rows, batch_size={batch})
+trainer = pl.Trainer(accelerator="gpu", devices=2, strategy="ddp_notebook", max_steps={steps},
+    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Wide(), loader)
+"""
+
+
+@pytest.mark.xfail(
+    reason="measured on 2 x H100 (2026-11-28): the failed run's report names rank 1 (cuda:1) right, but each "
+    "trial's forked Lightning ranks die at their first torch call (a native crash in the torch-function "
+    "handler), so every probe reads 'peak at least 0 bytes' and the plan offers nothing; the same cell on "
+    "CPU (tests/run/test_rank_plan.py) fits on every rank",
+    strict=False,
+)
+def test_lightning_ddp_notebook_plan_fits_on_every_rank(tmp_path):
+    pytest.importorskip("pytorch_lightning")
+    record = plan_record(
+        tmp_path,
+        "before = gpu_used()",
+        "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
+        + LIGHTNING_PLAN.format(rows=WORLD * BATCH * STEPS, batch=BATCH, steps=STEPS),
+    )
+    assert_fits_on_every_rank(record)
+    assert f"accumulate_grad_batches={record['params']['accumulate']}" in record["fitted_source"]
