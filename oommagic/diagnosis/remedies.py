@@ -433,36 +433,8 @@ def batch_source(
     if guess.where == "attribute":
         # A setting of an object: the retry sets it (and its accumulation beside it), the source stays.
         return None, guess.accumulation is not None or acc <= 1
-    if guess.where == "object":
-        # A setting of an object an earlier cell made (`dm.batch_size`), read where the cell does not say
-        # it: set at the top of the cell, so the notebook says what runs; the accumulation beside it.
-        if acc > 1 and accumulates(source):
-            body = scale_accumulation(source, acc)
-            keeps = body is not None
-        else:
-            body, keeps = _accumulated(source, helpers, source, acc, taken)
-        owner, attr = guess.path
-        head = f"{owner}.{attr} = {new}  # oommagic: the batch {owner} hands out (was {guess.value})\n"
-        return head + (body or source), keeps
-    if guess.where == "loader":
-        # A loader an earlier cell made: the cell re-batches a copy of it first, so that the notebook says
-        # what the kernel runs (and a second run of the cell does the same); accumulation as for the rest.
-        if acc > 1 and accumulates(source):
-            body = scale_accumulation(source, acc)
-            keeps = body is not None
-        else:
-            body, keeps = _accumulated(source, helpers, source, acc, taken)
-        loader = guess.path[0]
-        head = (
-            f"import oommagic  # {loader}: the same data in batches of {new} (made with {guess.value})\n"
-            f"{loader} = oommagic.rebatched({loader}, {new})\n"
-        )
-        if guess.accumulation is not None and acc > 1:
-            # A trainer that iterates the loader (Lightning's fit) accumulates over the smaller batches
-            # with its own setting, which also divides the loss.
-            path, steps = guess.accumulation
-            return head + f"{path} = {steps * acc}\n" + source, True
-        return head + (body or source), keeps
+    if guess.where in ("object", "loader"):
+        return _set_first(source, helpers, guess, new, acc, taken)
     written = guess.where in WRITTEN
     taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
     rewritten = rewrite_batch(source, guess, new, acc, taken) if written else source
@@ -476,6 +448,40 @@ def batch_source(
     if acc <= 1 or guess.where == "rows":
         return rewritten, True
     return _accumulated(source, helpers, rewritten, acc, taken)
+
+
+def _set_first(
+    source: str,
+    helpers: tuple[tuple[str, str], ...],
+    guess: BatchGuess,
+    new: int,
+    acc: int,
+    taken: Iterable[str],
+) -> tuple[str, bool]:
+    """The cell with the batch of an object an earlier cell made set at its top, so that the notebook says
+    what the kernel runs and a second run of the cell does the same: a setting (``dm.batch_size = 256``)
+    or a loader re-batched as a copy (``train_loader = oommagic.rebatched(train_loader, 256)``); the
+    accumulation beside it (the trainer's own setting where a trainer iterates the loader, the cell's
+    setting, or its loops)."""
+    if guess.where == "loader":
+        loader = guess.path[0]
+        head = (
+            f"import oommagic  # {loader}: the same data in batches of {new} (made with {guess.value})\n"
+            f"{loader} = oommagic.rebatched({loader}, {new})\n"
+        )
+    else:
+        owner, attr = guess.path
+        head = f"{owner}.{attr} = {new}  # oommagic: the batch {owner} hands out (was {guess.value})\n"
+    if guess.accumulation is not None and acc > 1:
+        # A trainer that iterates the loader (Lightning's fit) accumulates over the smaller batches with its
+        # own setting, which also divides the loss.
+        path, steps = guess.accumulation
+        return head + f"{path} = {steps * acc}\n" + source, True
+    if acc > 1 and accumulates(source):
+        body = scale_accumulation(source, acc)
+        return head + (body or source), body is not None
+    body, keeps = _accumulated(source, helpers, source, acc, taken)
+    return head + (body or source), keeps
 
 
 def _accumulated(
