@@ -16,6 +16,7 @@ from oommagic.diagnosis.source import BatchGuess
 from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
 from oommagic.view.widget import ReportWidget
+from tests.run.work import counted
 
 
 @pytest.fixture(autouse=True)
@@ -875,8 +876,6 @@ for xb in ft_data:
 
 
 def test_a_full_fine_tune_whose_adam_moments_pass_the_budget_gets_a_factored_optimizer(shell, run_cell):
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     if not hasattr(torch.optim, "Adafactor"):
         pytest.skip("torch.optim.Adafactor needs torch 2.5")
     shell.run_cell(FINETUNE_SETUP)
@@ -889,15 +888,11 @@ def test_a_full_fine_tune_whose_adam_moments_pass_the_budget_gets_a_factored_opt
     first = widget.fixes[0]
     assert first.kind == "optimizer" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
     assert "different optimizer" in first.fixes[0].explanation
-    steps: list[int] = []
-    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
-    try:
+    with counted(shell.user_ns["big"]) as work:
         fitted = widget.click(first.kind)
-    finally:
-        handle.remove()
     assert fitted.outcome == "ok", fitted.headline()
     assert "torch.optim.Adafactor(big.parameters(), lr=1e-3, weight_decay=0.01)" in fitted.source
-    assert len(steps) == 3, "the accepted run takes the cell's three optimizer steps"
+    assert work == {"steps": 3, "samples": 24}, "the accepted run takes the cell's three steps of 8 rows"
 
 
 TOWERS_SETUP = """
@@ -959,8 +954,6 @@ def test_a_similarity_matrix_bound_to_a_name_then_reduced_runs_on_chunks_of_quer
 
 
 def test_a_loader_loop_that_stops_on_its_count_keeps_its_steps_and_samples_when_accumulating(shell, run_cell):
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     shell.run_cell(
         "torch.manual_seed(0)\nfrom torch.utils.data import DataLoader, TensorDataset\n"
         "clf = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 4))\n"
@@ -977,23 +970,16 @@ def test_a_loader_loop_that_stops_on_its_count_keeps_its_steps_and_samples_when_
         "    if it == 1:\n"
         "        break\n"
     )
-    rows: list[int] = []
-    shell.user_ns["clf"].register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
     run_cell(f"%%gpumem --limit 8MiB --quiet --no-raise --plan-budget 60\n{cell}")
     failed = oommagic.history()[-1]
     assert failed.outcome == "oom", failed.headline()
     widget = ReportWidget(failed, session_for(shell))
     first = widget.fixes[0]
     assert first.kind == "batch" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
-    steps: list[int] = []
-    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
-    rows.clear()
-    try:
+    with counted(shell.user_ns["clf"]) as work:
         fitted = widget.click(first.kind)
-    finally:
-        handle.remove()
     assert fitted.outcome == "ok", fitted.headline()
-    assert len(steps) == 2 and sum(rows) == 1024, (len(steps), rows, fitted.source)
+    assert work == {"steps": 2, "samples": 1024}, (work, fitted.source)
 
 
 def test_a_tokenizers_output_splatted_into_an_encoder_at_once_runs_on_chunks_of_rows_and_fits(
@@ -1044,11 +1030,7 @@ def fit(model, opt, cfg):
 def test_a_batch_setting_of_an_object_the_cell_hands_to_a_function_is_set_in_the_cell_and_fits(
     shell, run_cell
 ):
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
     shell.run_cell(OBJECT_SETUP)
-    rows: list[int] = []
-    shell.user_ns["mlp"].register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
     # The batch is nowhere in the cell's text: `fit` reads `cfg.batch_size` of the object the cell passes.
     run_cell("%%gpumem --limit 8MiB --quiet --no-raise --plan-budget 60\nfit(mlp, mlp_opt, settings)")
     failed = oommagic.history()[-1]
@@ -1058,16 +1040,11 @@ def test_a_batch_setting_of_an_object_the_cell_hands_to_a_function_is_set_in_the
     widget = ReportWidget(failed, session_for(shell))
     first = widget.fixes[0]
     assert first.kind == "batch" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
-    steps: list[int] = []
-    handle = register_optimizer_step_post_hook(lambda *_: steps.append(1))
-    rows.clear()
-    try:
+    with counted(shell.user_ns["mlp"]) as work:
         fitted = widget.click(first.kind)
-    finally:
-        handle.remove()
     assert fitted.outcome == "ok", fitted.headline()
     new = first.fixes[0].params["new"]
     # The cell says what runs: the setting at its top, `fit` redefined with the accumulation.
     assert fitted.source.startswith(f"settings.batch_size = {new}  # oommagic"), fitted.source
     assert shell.user_ns["settings"].batch_size == new
-    assert len(steps) == 2 and sum(rows) == 2048, (len(steps), rows, fitted.source)
+    assert work == {"steps": 2, "samples": 2048}, (work, fitted.source)

@@ -2,7 +2,7 @@
  * Helpers shared by the browser tests (not a spec file: Playwright only collects `*.spec.ts`).
  */
 import { expect, IJupyterLabPageFixture } from '@jupyterlab/galata';
-import { Locator, Page } from '@playwright/test';
+import { APIRequestContext, Locator, Page } from '@playwright/test';
 
 export const SHOTS = 'test-results/screenshots';
 
@@ -24,11 +24,8 @@ export async function writeCell(
   );
 }
 
-/** The source of cell `index` of the current notebook, read from its model. */
-export async function cellSource(
-  page: IJupyterLabPageFixture,
-  index: number
-): Promise<string> {
+/** The source of cell `index` of the current notebook (JupyterLab's or Notebook 7's), read from its model. */
+export async function cellSource(page: Page, index: number): Promise<string> {
   return page.evaluate(i => {
     const nb = (window as any).jupyterapp.shell.currentWidget.content;
     return nb.widgets[i].model.sharedModel.getSource() as string;
@@ -64,3 +61,68 @@ export function collectErrors(page: Page): string[] {
   });
   return errors;
 }
+
+/** The current notebook's kernel status as its session reports it ("idle", "busy", ...). */
+export function kernelStatus(page: Page): Promise<string> {
+  return page.evaluate(
+    () =>
+      (window as any).jupyterapp.shell.currentWidget.sessionContext
+        .kernelDisplayStatus as string
+  );
+}
+
+/**
+ * Write a notebook of code cells `sources` at `path` through the server's contents API, its kernel named
+ * (so that no "Select Kernel" dialog covers the page that opens it).
+ */
+export async function putNotebook(
+  request: APIRequestContext,
+  path: string,
+  sources: string[] = []
+): Promise<void> {
+  const cells = sources.map(source => ({
+    cell_type: 'code',
+    execution_count: null,
+    metadata: {},
+    outputs: [],
+    source
+  }));
+  const response = await request.put(`api/contents/${path}`, {
+    data: {
+      type: 'notebook',
+      format: 'json',
+      content: {
+        cells,
+        metadata: {
+          kernelspec: {
+            name: 'python3',
+            display_name: 'Python 3',
+            language: 'python'
+          }
+        },
+        nbformat: 4,
+        nbformat_minor: 5
+      }
+    }
+  });
+  expect(response.ok()).toBe(true);
+}
+
+/** A training function of one cell and the `%%gpumem` cell that calls it and runs out of memory (a 24 MiB
+ * card): the notebook whose pressed fix is written back into both cells. */
+export const WRITEBACK_TRAIN = [
+  'def train(model, opt, batch_size):',
+  '    for _ in range(2):',
+  '        x = torch.randn(batch_size, 64, 256)',
+  '        model(x).square().mean().backward()',
+  '        opt.step()',
+  '        opt.zero_grad()'
+].join('\n');
+
+export const WRITEBACK_FAILING = [
+  '%%gpumem --limit 24MiB',
+  'batch_size = 64',
+  'model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))',
+  'opt = torch.optim.SGD(model.parameters(), lr=0.1)',
+  'train(model, opt, batch_size)'
+].join('\n');

@@ -6,7 +6,7 @@
 import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
 import { Page } from '@playwright/test';
 
-import { collectErrors, SHOTS } from './helpers';
+import { collectErrors, putNotebook, SHOTS } from './helpers';
 
 const PLUGIN = 'oommagic:plugin';
 
@@ -129,27 +129,8 @@ test.describe('finding the panel in Notebook 7', () => {
       tree.status() === 404,
       'Notebook 7 is not installed in this environment (pip install notebook)'
     );
-    // With its kernel named, so that no "Select Kernel" dialog covers the page.
     const path = 'notebook7.ipynb';
-    const created = await request.put(`api/contents/${path}`, {
-      data: {
-        type: 'notebook',
-        format: 'json',
-        content: {
-          cells: [],
-          metadata: {
-            kernelspec: {
-              name: 'python3',
-              display_name: 'Python 3',
-              language: 'python'
-            }
-          },
-          nbformat: 4,
-          nbformat_minor: 5
-        }
-      }
-    });
-    expect(created.ok()).toBe(true);
+    await putNotebook(request, path);
 
     const page = await context.newPage();
     // Tall enough for the whole View menu, which Notebook 7 fills with every extension's items.

@@ -7,77 +7,22 @@
  * Plain Playwright here, not Galata's `page` fixture: that one opens JupyterLab. The notebook is written
  * through the server's contents API, then opened at `/notebooks/<name>` like a person would.
  */
-import { APIRequestContext, expect, Page, test } from '@playwright/test';
+import { expect, test } from '@playwright/test';
 
-import { collectErrors, SHOTS } from './helpers';
+import {
+  cellSource,
+  collectErrors,
+  kernelStatus,
+  putNotebook,
+  SHOTS,
+  WRITEBACK_FAILING,
+  WRITEBACK_TRAIN
+} from './helpers';
 
-const TRAIN = [
-  'def train(model, opt, batch_size):',
-  '    for _ in range(2):',
-  '        x = torch.randn(batch_size, 64, 256)',
-  '        model(x).square().mean().backward()',
-  '        opt.step()',
-  '        opt.zero_grad()'
-].join('\n');
-
-const FAILING = [
-  '%%gpumem --limit 24MiB',
-  'batch_size = 64',
-  'model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))',
-  'opt = torch.optim.SGD(model.parameters(), lr=0.1)',
-  'train(model, opt, batch_size)'
-].join('\n');
+const TRAIN = WRITEBACK_TRAIN;
+const FAILING = WRITEBACK_FAILING;
 
 const NAME = 'notebook7-writeback.ipynb';
-
-async function writeNotebook(
-  request: APIRequestContext,
-  name: string,
-  sources: string[]
-): Promise<void> {
-  const cells = sources.map(source => ({
-    cell_type: 'code',
-    execution_count: null,
-    metadata: {},
-    outputs: [],
-    source
-  }));
-  const response = await request.put(`/api/contents/${name}`, {
-    data: {
-      type: 'notebook',
-      format: 'json',
-      content: {
-        cells,
-        metadata: {
-          kernelspec: {
-            name: 'python3',
-            display_name: 'Python 3',
-            language: 'python'
-          }
-        },
-        nbformat: 4,
-        nbformat_minor: 5
-      }
-    }
-  });
-  expect(response.ok()).toBe(true);
-}
-
-/** The source of cell `index` of the notebook the page shows, from its model. */
-function cellSource(page: Page, index: number): Promise<string> {
-  return page.evaluate(i => {
-    const nb = (window as any).jupyterapp.shell.currentWidget.content;
-    return nb.widgets[i].model.sharedModel.getSource() as string;
-  }, index);
-}
-
-function kernelStatus(page: Page): Promise<string> {
-  return page.evaluate(
-    () =>
-      (window as any).jupyterapp.shell.currentWidget.sessionContext
-        .kernelDisplayStatus as string
-  );
-}
 
 test('Notebook 7: a pressed fix runs with the kernel busy, is written into the cells, and Ctrl+Z takes it back', async ({
   page,
@@ -89,7 +34,7 @@ test('Notebook 7: a pressed fix runs with the kernel busy, is written into the c
     'Notebook 7 is not installed in this environment (pip install notebook)'
   );
   const errors = collectErrors(page);
-  await writeNotebook(request, NAME, [
+  await putNotebook(request, NAME, [
     '%load_ext oommagic\nimport torch',
     TRAIN,
     FAILING

@@ -6,44 +6,24 @@
  * is defined, the failing cell's batch in place, one undoable edit each. The report after the failure
  * fits a screen at 1400×900 with no label cut; a kernel restart of a notebook never saved lists no run.
  */
-import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
+import { expect, test } from '@jupyterlab/galata';
 
 import {
   cellSource,
+  kernelStatus,
   collectErrors,
   openPanel,
   SHOTS,
-  writeCell
+  writeCell,
+  WRITEBACK_FAILING,
+  WRITEBACK_TRAIN
 } from './helpers';
 
-const TRAIN = [
-  'def train(model, opt, batch_size):',
-  '    for _ in range(2):',
-  '        x = torch.randn(batch_size, 64, 256)',
-  '        model(x).square().mean().backward()',
-  '        opt.step()',
-  '        opt.zero_grad()'
-].join('\n');
-
-const FAILING = [
-  '%%gpumem --limit 24MiB',
-  'batch_size = 64',
-  'model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 256))',
-  'opt = torch.optim.SGD(model.parameters(), lr=0.1)',
-  'train(model, opt, batch_size)'
-].join('\n');
+const TRAIN = WRITEBACK_TRAIN;
+const FAILING = WRITEBACK_FAILING;
 
 // Galata's kernel API mock answers every POST as a creation (201); the real kernels are wanted here.
 test.use({ kernels: null });
-
-/** The current notebook's kernel status as its session reports it ("idle", "busy", ...). */
-function kernelStatus(page: IJupyterLabPageFixture): Promise<string> {
-  return page.evaluate(
-    () =>
-      (window as any).jupyterapp.shell.currentWidget.sessionContext
-        .kernelDisplayStatus as string
-  );
-}
 
 test.describe('a fix pressed in the report', () => {
   test('runs with the kernel busy, then is written where the notebook defines it; Ctrl+Z takes it back', async ({
@@ -67,7 +47,10 @@ test.describe('a fix pressed in the report', () => {
       await report.scrollIntoViewIfNeeded();
       await report.evaluate(node => node.scrollIntoView({ block: 'start' }));
       const box = (await report.boundingBox())!;
-      const first = (await report.locator('.oommagic-fix').first().boundingBox())!;
+      const first = (await report
+        .locator('.oommagic-fix')
+        .first()
+        .boundingBox())!;
       const measured = `height ${Math.round(box.height)} px; first fix's button ends ${Math.round(first.y + first.height - box.y)} px below the report's top`;
       test.info().annotations.push({
         type: 'report after the failure at 1400×900',
