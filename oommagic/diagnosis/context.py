@@ -189,8 +189,8 @@ def batch_shape(source: str, scopes: list[Mapping]) -> tuple[str, int, int] | No
     for name in cell.loop_batches(source):
         value = next((sc[name] for sc in scopes if name in sc), None)
         if value is not None and not issubclass(type(value), torch.Tensor):
-            data = value if type(value) is dict else instance_dict(value).get("data")  # BatchEncoding
-            value = dict.get(data, "input_ids") if type(data) is dict else None
+            data = tokens_dict(value)
+            value = dict.get(data, "input_ids") if data is not None else None
         if issubclass(type(value), torch.Tensor) and value.dim() == 2:
             return name, int(value.shape[0]), int(value.shape[1])
     return None
@@ -961,13 +961,20 @@ def rows_call(source: str, namespace: Mapping, line: int | None) -> RowsCall | N
     )
 
 
+def tokens_dict(value: Any) -> dict | None:
+    """The plain dict of a tokenizer's output: the value itself, or a ``BatchEncoding``'s own ``data``
+    (read from its instance dict, no ``__getitem__``); None for anything else."""
+    data = value if isinstance(value, dict) else instance_dict(value).get("data")
+    return data if isinstance(data, dict) else None
+
+
 def _rows_of_dict(value: Any) -> Any:
     """The first tensor of a dict of tensors with as many rows each (a tokenizer's output), read through
     ``dict.values`` (a ``BatchEncoding`` keeps its own dict in ``data``); None for anything else."""
     import torch
 
-    data = instance_dict(value).get("data") if not isinstance(value, dict) else value
-    if not isinstance(data, dict) or not data:
+    data = tokens_dict(value)
+    if not data:
         return None
     tensors = list(dict.values(data))
     if not all(type(t) is torch.Tensor and t.dim() >= 1 for t in tensors):
