@@ -1037,6 +1037,7 @@ def test_a_batch_setting_of_an_object_the_cell_hands_to_a_function_is_set_in_the
     assert failed.outcome == "oom", failed.headline()
     guess = failed.context.batch
     assert (guess.name, guess.value, guess.where) == ("settings.batch_size", 1024, "object")
+    assert shell.user_ns["settings"].batch_size == 1024, "the trials put the person's setting back"
     widget = ReportWidget(failed, session_for(shell))
     first = widget.fixes[0]
     assert first.kind == "batch" and first.verdict == "fits", [e.line() for e in failed.plan.entries]
