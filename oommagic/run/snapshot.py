@@ -100,7 +100,7 @@ class UserState:
         not_kept = list(walk.not_kept)
         import torch
 
-        with torch.no_grad():
+        with torch.no_grad(), one_cpu_thread():
             for t, path, _ in walk.tensors:
                 try:
                     state.tensors.append(_Tensor(t, path))
@@ -142,7 +142,7 @@ class UserState:
             with self._naming(path):
                 if not _same_contents(container, saved):
                     _refill(container, saved)
-        with torch.no_grad():
+        with torch.no_grad(), one_cpu_thread():
             for kept in self.tensors:
                 with self._naming(kept.path):
                     _restore_tensor(kept)
@@ -199,6 +199,27 @@ class UserState:
 
 
 _MISSING = object()
+
+
+@contextlib.contextmanager
+def one_cpu_thread() -> Iterator[None]:
+    """The tool's own CPU copies and comparisons on the calling thread alone, torch's thread count put back
+    after. A parallel CPU op starts an OpenMP team in the kernel, and GNU OpenMP does not survive a fork: a
+    cell that forks its ranks afterwards (Lightning's ``ddp_notebook``, ``start_method="fork"``) gets
+    children whose first parallel op hangs (here) or segfaults (measured on the H100 machine, in a trial
+    of a Lightning cell whose 3 GiB loader tensor the snapshot had copied). The tool must not start one
+    on the person's behalf."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def host_available() -> int | None:

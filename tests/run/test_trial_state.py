@@ -9,12 +9,15 @@ from __future__ import annotations
 import collections
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import oommagic
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SETUP = """
 import collections, random
@@ -270,3 +273,48 @@ def test_a_scan_reads_views_whose_base_was_written_without_raising(shell):
     run = oommagic.history()[-1]
     assert run.outcome == "oom"
     assert not any("could not start" in e.note for e in run.plan.entries), [e.note for e in run.plan.entries]
+
+
+FORK_AFTER_SNAPSHOT = """
+import os, signal, sys, time, torch
+from oommagic.run.snapshot import UserState
+torch.set_num_threads(2)
+# 64 MiB, made and changed without a torch op (NumPy): only the tool's copies and comparisons run torch's
+# CPU kernels here, which at this size run in parallel unless the tool keeps them on one thread.
+namespace = {"rows": torch.frombuffer(bytearray(64 * 1024 * 1024), dtype=torch.float32)}
+state = UserState.take(namespace, check_host=False)
+namespace["rows"].numpy()[:] = 1.0
+state.restore(namespace)
+assert not namespace["rows"].numpy().any()
+assert torch.get_num_threads() == 2, torch.get_num_threads()
+pid = os.fork()
+if pid == 0:  # a rank forked by the cell afterwards: its first parallel CPU op
+    torch.randperm(4 * 1024 * 1024)
+    (namespace["rows"] * 2).sum()
+    os._exit(0)
+deadline = time.time() + 30
+while time.time() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("child", status)
+        break
+    time.sleep(0.1)
+else:
+    os.kill(pid, signal.SIGKILL)
+    print("child hung")
+"""
+
+
+def test_a_process_the_cell_forks_after_a_trial_can_run_parallel_cpu_ops(tmp_path):
+    """The snapshot's copies and comparisons start no OpenMP team in the kernel: a team does not survive a
+    fork, and a cell that forks its ranks after a trial (Lightning's ``ddp_notebook``) got children that
+    hung at their first parallel op (segfaulted on the H100 machine). In a fresh process, two threads."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fork_after_snapshot.py"
+    script.write_text(FORK_AFTER_SNAPSHOT)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "child 0" in done.stdout, done.stdout + done.stderr
