@@ -44,6 +44,7 @@ from .rewrite import (
     truncate_source,
 )
 from .rewrite_generation import set_generation_setting, split_calls_source, split_generate_source
+from .rewrite_shard import shard_source
 from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal, inlined_product
 
 # What a fix changes beyond memory, the plan's first order among fixes that fit.
@@ -254,6 +255,9 @@ KINDS: dict[str, FixKind] = {
                 or s
             ),
         ),
+        # FSDP2 in place of DDP in the rank function the cell defines: the same batch, steps and update,
+        # the state sharded across the ranks (a trial relaunches them with it).
+        FixKind("shard", SAME, rewrite=lambda s, r, h: shard_source(s) or s),
         # A different update rule: what is computed changes, said in the entry.
         FixKind("optimizer", COMPUTED, rewrite=lambda s, r, h: factored_optimizer_source(s) or s),
         # Acting outside this process: another GPU, another process, a restart.

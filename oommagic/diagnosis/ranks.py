@@ -14,6 +14,7 @@ from ..oom import OOMReport, parse_oom
 from ..sizes import format_bytes as fmt
 from .findings import Finding, Remedy
 from .kinds import reaches_ranks
+from .rewrite_shard import shard_source
 from .source import BatchGuess
 
 # A rank whose weights, gradients and optimizer state are at least this share of its peak gains most from
@@ -310,30 +311,6 @@ _CHECKPOINT_BLOCKS = """from torch.utils.checkpoint import checkpoint
 for block in self.blocks:
     x = checkpoint(block, x, use_reentrant=False)"""
 
-_DDP_CALL = re.compile(
-    r"^(?P<indent>[ \t]*)(?P<target>\w+)\s*=\s*(?:[\w.]*\.)?(?:DistributedDataParallel|DDP)"
-    r"\((?P<arg>\w+)[^\n]*\)[ \t]*$",
-    re.M,
-)
-
-
-def fsdp_source(source: str) -> str | None:
-    """``source`` with each ``x = DistributedDataParallel(model, ...)`` line replaced by FSDP2's
-    ``fully_shard`` on every child module and the model (None: no such line)."""
-    found = _DDP_CALL.search(source)
-    if found is None:
-        return None
-    indent, target, arg = found["indent"], found["target"], found["arg"]
-    lines = [
-        "from torch.distributed.fsdp import fully_shard",
-        f"for block in {arg}.children():",
-        "    fully_shard(block)",
-        f"{target} = fully_shard({arg})",
-    ]
-    replacement = "\n".join(indent + line for line in lines)
-    return source[: found.start()] + replacement + source[found.end() :]
-
-
 def rank_findings(ranks: Ranks, source: str, batch: BatchGuess | None = None) -> tuple[Finding, ...]:
     """What the ranks' figures say: the rank that ran out and what fills it (sharding where weights,
     gradients and optimizer state are the bulk; a batch every rank can take, and activation checkpointing,
@@ -420,17 +397,20 @@ def _out_of_memory(ranks: Ranks, failed: RankResult, source: str, batch: BatchGu
             f"{fmt(neck.peak_reserved)}: each rank holds a full copy"
         )
         saving = state * (len(ranks) - 1) // max(len(ranks), 1)
-        new_source = fsdp_source(source)
+        new_source = shard_source(source)
         remedies.append(
             Remedy(
-                "multi_gpu",
+                "shard",
                 f"Shard with FSDP2 (fully_shard) across the {len(ranks)} ranks",
                 "FSDP2 keeps 1/N of the weights, gradients and optimizer state on each rank and gathers a "
-                "block's weights only while it runs.",
+                "block's weights only while it runs; each rank takes the same batch and steps as before.",
                 code=_FSDP2.format(blocks="layers")
                 if new_source is None
                 else _diff_lines(source, new_source),
+                # Measured by a relaunch of the ranks where the cell's own wrap can be rewritten.
+                automatic=new_source is not None,
                 saving=saving,
+                params={"ranks": len(ranks)},
                 new_source=new_source,
             )
         )

@@ -282,3 +282,67 @@ def test_a_rank_in_a_trial_stops_at_the_steady_state(tmp_path):
     result = json.loads((tmp_path / name).read_text())
     assert name.startswith("ok-rank0-") and taken == 2
     assert result["steps"] == 2 and result["trial_stop"].startswith("steady state")
+
+
+# Weights, gradients and optimizer state are the bulk of each rank (four 512 × 512 layers under Adam, a
+# batch of 8): a smaller batch frees next to nothing, FSDP2 halves the state on each of the two ranks.
+STATE_CELL = """\
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+batch_size = 8
+def work(rank, port, batch_size, seen):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(512, 512) for _ in range(4)]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers))
+    opt = torch.optim.Adam(model.parameters())
+    for step in range({steps}):
+        x = torch.randn(batch_size, 512)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen[rank, 1] += x.shape[0]
+    seen[rank, 0] = int(opt.state[model.module[0].weight]["step"])
+    dist.destroy_process_group()
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+mp.start_processes(work, args=({port}, batch_size, seen), nprocs=2, start_method="fork")
+"""
+
+
+def test_a_run_whose_state_is_the_bulk_is_sharded_with_fsdp2_on_every_rank(shell, run_cell, trained_before):
+    """Build 5's sharding: the plan relaunches the ranks with the cell's DDP wrap rewritten to FSDP2's
+    ``fully_shard``; it fits where no smaller batch does, and pressed it fits on both ranks with the same
+    optimizer steps and samples per step."""
+    started_with = children()
+    run_cell(
+        "%%gpumem --limit 16MiB --device cpu --quiet --no-raise --plan-budget 90\n"
+        + STATE_CELL.format(steps=STEPS, port=free_port())
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.ranks.out_of_memory is not None
+    shard = next(r for f in failed.findings for r in f.remedies if r.kind == "shard")
+    assert "Weights, gradients and optimizer state are" in next(
+        f.evidence for f in failed.findings if shard in f.remedies
+    )
+    first = failed.plan.entries[0]
+    assert first.verdict == FITS, [e.line() for e in failed.plan.entries]
+    assert "tightest of 2 ranks" in first.line() and first.peak <= 0.95 * 16 * MiB
+    (fix,) = first.fixes
+    assert fix.kind == "shard" and "model = fully_shard(model)" in fix.new_source
+    # No smaller batch frees what the state holds: measured, not assumed.
+    batch = next(e for e in failed.plan.entries if e.fixes[0].kind == "batch")
+    assert batch.verdict == DOES_NOT_FIT
+
+    widget = ReportWidget(failed, session_for(shell))
+    assert widget.fixes[0].kind == "shard"
+    fitted = widget.click("shard")
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
+    assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
+    # The same work: each rank took the cell's optimizer steps on batches of 8, as written.
+    seen = shell.user_ns["seen"].tolist()
+    assert seen == [[STEPS, 8 * STEPS], [STEPS, 8 * STEPS]]
+    assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
+    assert fitted.source == fix.new_source

@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from oommagic.diagnosis.ranks import RankResult, Ranks, batch_across_ranks, fsdp_source, rank_findings
+from oommagic.diagnosis.ranks import RankResult, Ranks, batch_across_ranks, rank_findings
+from oommagic.diagnosis.rewrite_shard import shard_source
 from oommagic.diagnosis.source import BatchGuess
 from oommagic.run.ranks import alive
 
@@ -284,10 +285,11 @@ def test_state_bulk_offers_sharding_as_a_diff():
     )
     finding = rank_findings(ranks, source)[0]
     kinds = [r.kind for r in finding.remedies]
-    assert kinds == ["multi_gpu", "multi_gpu", "checkpointing"]
+    assert kinds == ["shard", "multi_gpu", "checkpointing"]
     fsdp = finding.remedies[0]
-    assert fsdp.new_source == fsdp_source(source)
-    assert "ddp = fully_shard(model)" in fsdp.new_source and "DistributedDataParallel" not in fsdp.new_source
+    # A rewrite of the cell's own wrap: measured by a relaunch of the ranks, a button where it fits.
+    assert fsdp.automatic and fsdp.new_source == shard_source(source)
+    assert "ddp = fully_shard(ddp)" in fsdp.new_source and "DistributedDataParallel(" not in fsdp.new_source
     assert "ZeRO" in finding.remedies[1].title
 
 

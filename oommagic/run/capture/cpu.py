@@ -118,8 +118,8 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
             out = func(*args, **kwargs)
             view = getattr(func, "is_view", False)
             fresh = []
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_meta:
+            for t in _plain_tensors(tree_flatten(out)[0]):
+                if t.device.type == "cpu" and not t.is_meta:
                     st = t.untyped_storage()
                     known = LEDGER.live.get(st._cdata)
                     # A view of a tensor made outside %%gpumem allocates nothing: a batch indexed out of
@@ -135,6 +135,54 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
             return out
 
     return TensorBytesTracker()
+
+
+def _plain_tensors(values: list) -> Any:
+    """The tensors among ``values`` that hold memory: a wrapper subclass (FSDP2's ``DTensor``) stands for its
+    inner tensors, made inside its own dispatch where this mode does not see them; its wrapper's storage is
+    the whole logical size, which no rank holds."""
+    import torch
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    for t in values:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            yield from _plain_tensors([getattr(t, name) for name in names])
+        else:
+            yield t
+
+
+def _track_resizes(recorder: CpuRecorder) -> Any:
+    """Count storage resizes while ``recorder`` runs: they go through no dispatcher op, and FSDP2 frees a
+    gathered weight with ``untyped_storage().resize_(0)`` and gathers into it again with ``resize_(n)`` (on a
+    card the allocator sees both). A growth is checked against the limit first. Returns the undo."""
+    import torch
+
+    cls = torch.UntypedStorage
+    own = cls.__dict__.get("resize_")
+    original = cls.resize_
+
+    def resize_(storage: Any, size: int) -> Any:
+        if storage.device.type != "cpu" or LEDGER.listener is not recorder:
+            return original(storage, size)
+        grows = int(size) - LEDGER.live.get(storage._cdata, 0)
+        if recorder.limit is not None and grows > 0:
+            recorder.check(grows)
+        out = original(storage, size)
+        LEDGER.add(storage, "resize_", python_line() if recorder.stacks else None)
+        return out
+
+    cls.resize_ = resize_
+
+    def undo() -> None:
+        if own is None:
+            del cls.resize_
+        else:
+            cls.resize_ = own
+
+    return undo
 
 
 def python_line() -> str | None:
@@ -217,6 +265,7 @@ class CpuRecorder:
         self._marks = StepMarks()
         self._steps = StepRoles(cpu_key, lambda: len(self._events) - 0.5)
         self._mode: Any = None
+        self._undo_resizes: Any = None
         self._start = 0.0
         self._peak = 0
         self._before = 0
@@ -274,10 +323,13 @@ class CpuRecorder:
         LEDGER.listener = self
         try:
             self._marks.install(self._steps)
+            self._undo_resizes = _track_resizes(self)
             self._mode.__enter__()
         except BaseException:
             LEDGER.listener = None
             self._marks.remove()
+            if self._undo_resizes is not None:
+                self._undo_resizes()
             raise
         return self
 
@@ -288,6 +340,9 @@ class CpuRecorder:
         finally:
             self._mode = None
             self._marks.remove()
+            if self._undo_resizes is not None:
+                self._undo_resizes()
+                self._undo_resizes = None
             LEDGER.listener = None
         self._point(LEDGER.allocated)
 
