@@ -251,3 +251,58 @@ def test_lightning_ddp_notebook_plan_fits_on_every_rank(tmp_path):
     )
     assert_fits_on_every_rank(record)
     assert f"accumulate_grad_batches={record['params']['accumulate']}" in record["fitted_source"]
+
+
+# Weights, gradients and optimizer state are the bulk: six 8192 × 8192 layers under AdamW (1.5 GiB of
+# weights, as much of gradients and of DDP's buckets, 3 GiB of state) on a batch of 64, under 6 GiB a rank.
+SHARDED = """
+import datetime, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from accelerate import notebook_launcher
+batch_size = 64
+def work(batch_size, seen):
+    rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=device)
+    layers = [torch.nn.Linear(8192, 8192) for _ in range(6)]
+    model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device), device_ids=[rank])
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range({steps}):
+        x = torch.randn(batch_size, 8192, device=device)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen[rank, 1] += x.shape[0]
+    seen[rank, 0] = int(optimizer.state[model.module[0].weight]["step"])
+    torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+notebook_launcher(work, args=(batch_size, seen), num_processes=2, use_port="{port}")
+"""
+
+
+def test_notebook_launcher_state_bulk_plan_shards_with_fsdp2(tmp_path):
+    """Written 2026-11-28 with the CPU version (tests/run/test_rank_plan.py), not yet run on two GPUs."""
+    pytest.importorskip("accelerate")
+    record = plan_record(
+        tmp_path,
+        "before = gpu_used()",
+        "%%gpumem --limit 6GiB --text --no-raise --plan-budget 300\n"
+        + SHARDED.format(steps=STEPS, port=free_port()),
+    )
+    assert record["failed"] == "oom"
+    assert record["verdict"] == "fits" and record["kind"] == "shard", record["lines"]
+    assert record["budget"] == 6 * GiB and record["peak"] <= 0.95 * 6 * GiB
+    assert record["offered"] == "shard" and record["fitted"] == "ok"
+    fitted = record["fitted_ranks"]
+    assert [r[:4] for r in fitted] == [[0, "cuda:0", "ok", STEPS], [1, "cuda:1", "ok", STEPS]]
+    assert all(r[5] == 6 * GiB and r[4] <= 0.95 * r[5] for r in fitted)
+    # The same work: each rank took the cell's optimizer steps on batches of 64.
+    assert record["seen"] == [[STEPS, 64 * STEPS], [STEPS, 64 * STEPS]]
+    assert "model = fully_shard(model)" in record["fitted_source"]
+    assert record["fitted_source"] == record["new_source"]
+    assert record["alive"] == [] and record["children"] == [], "a rank process is left"
+    assert not record["kernel_cuda"], "the kernel started CUDA"
+    for index, used in record["before"].items():
+        assert record["after"][index] <= used + 64 * 1024**2, f"GPU {index} holds memory after the plan"
