@@ -311,6 +311,7 @@ _CHECKPOINT_BLOCKS = """from torch.utils.checkpoint import checkpoint
 for block in self.blocks:
     x = checkpoint(block, x, use_reentrant=False)"""
 
+
 def rank_findings(ranks: Ranks, source: str, batch: BatchGuess | None = None) -> tuple[Finding, ...]:
     """What the ranks' figures say: the rank that ran out and what fills it (sharding where weights,
     gradients and optimizer state are the bulk; a batch every rank can take, and activation checkpointing,

@@ -87,6 +87,7 @@ def _factory_bytes(func: Any, args: tuple, kwargs: dict) -> int | None:
 def _make_tracker(recorder: CpuRecorder) -> Any:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_wrapper
     from torch.utils._pytree import tree_flatten
 
     Parameter = torch.nn.Parameter
@@ -118,7 +119,7 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
             out = func(*args, **kwargs)
             view = getattr(func, "is_view", False)
             fresh = []
-            for t in _plain_tensors(tree_flatten(out)[0]):
+            for t in _plain_tensors(tree_flatten(out)[0], is_wrapper):
                 if t.device.type == "cpu" and not t.is_meta:
                     st = t.untyped_storage()
                     known = LEDGER.live.get(st._cdata)
@@ -137,21 +138,20 @@ def _make_tracker(recorder: CpuRecorder) -> Any:
     return TensorBytesTracker()
 
 
-def _plain_tensors(values: list) -> Any:
+def _plain_tensors(values: list, is_wrapper: Any) -> Any:
     """The tensors among ``values`` that hold memory: a wrapper subclass (FSDP2's ``DTensor``) stands for its
     inner tensors, made inside its own dispatch where this mode does not see them; its wrapper's storage is
     the whole logical size, which no rank holds."""
     import torch
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     for t in values:
         if not isinstance(t, torch.Tensor):
             continue
-        if is_traceable_wrapper_subclass(t):
-            names, _ = t.__tensor_flatten__()
-            yield from _plain_tensors([getattr(t, name) for name in names])
-        else:
+        if type(t) is torch.Tensor or not is_wrapper(t):
             yield t
+        else:
+            names, _ = t.__tensor_flatten__()
+            yield from _plain_tensors([getattr(t, name) for name in names], is_wrapper)
 
 
 def _track_resizes(recorder: CpuRecorder) -> Any:
@@ -163,9 +163,10 @@ def _track_resizes(recorder: CpuRecorder) -> Any:
     cls = torch.UntypedStorage
     own = cls.__dict__.get("resize_")
     original = cls.resize_
+    thread = threading.get_ident()  # the cell's, as the dispatch mode (a thread's own) sees it
 
     def resize_(storage: Any, size: int) -> Any:
-        if storage.device.type != "cpu" or LEDGER.listener is not recorder:
+        if storage.device.type != "cpu" or LEDGER.listener is not recorder or threading.get_ident() != thread:
             return original(storage, size)
         grows = int(size) - LEDGER.live.get(storage._cdata, 0)
         if recorder.limit is not None and grows > 0:
