@@ -237,8 +237,9 @@ trainer.fit(Wide(), loader)
     reason="measured on 2 x H100 (2026-11-28): each trial's forked Lightning ranks segfaulted at their "
     "first parallel CPU op (DistributedSampler's, under the trial's bounds): the snapshot's copy of the "
     "3 GiB loader tensor had started an OpenMP team in the kernel, which does not survive a fork. The "
-    "snapshot now copies on one thread (tests/run/test_trial_state.py reproduces the hang on CPU and "
-    "passes); not run again on two GPUs since: the session's device time was spent",
+    "snapshot now copies on one thread (on CPU the same Lightning trial hung until its budget ran out, and "
+    "fits now: tests/run/test_rank_plan.py::test_lightning_ranks_forked_after_a_trials_snapshot_run); not "
+    "run again on two GPUs since: the session's device time was spent",
     strict=False,
 )
 def test_lightning_ddp_notebook_plan_fits_on_every_rank(tmp_path):

@@ -346,3 +346,51 @@ def test_a_run_whose_state_is_the_bulk_is_sharded_with_fsdp2_on_every_rank(shell
     assert not any(alive(r.pid) for r in fitted.ranks.results)
     assert children() <= started_with, "a rank of a trial or of a run is left"
     assert fitted.source == fix.new_source
+
+
+# In a fresh process with two CPU threads (Lightning leaves a rank's thread count alone where
+# OMP_NUM_THREADS is set): a dataset of an earlier cell that the trial's snapshot copies, then a Lightning
+# cell whose forked ranks shuffle it (a parallel randperm in each rank).
+FORKED_AFTER_SNAPSHOT = """
+import sys
+from IPython.core.interactiveshell import InteractiveShell
+import torch, oommagic
+from tests.run.test_rank_plan import LIGHTNING, BATCH, STEPS
+ip = InteractiveShell.instance()
+ip.run_line_magic("load_ext", "oommagic")
+ip.run_cell("import torch")
+ip.run_cell(LIGHTNING)
+ip.run_cell("rows = torch.randn(1, 128).expand(400_000, 128)")  # 195 MiB as a snapshot copies it
+ip.run_cell(
+    "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\\n"
+    f"loader = torch.utils.data.DataLoader(rows, batch_size={BATCH}, shuffle=True)\\n"
+    f"trainer = pl.Trainer(accelerator='cpu', devices=2, strategy='ddp_notebook', max_steps={STEPS},\\n"
+    "    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)\\n"
+    "trainer.fit(Net(), loader)"
+)
+plan = oommagic.history()[-1].plan
+print("FIRST", plan.entries[0].verdict)
+print("SUMMARY", plan.summary)
+"""
+
+
+def test_lightning_ranks_forked_after_a_trials_snapshot_run(tmp_path):
+    """Measured on two H100s: every trial's forked Lightning rank segfaulted at its first parallel CPU op,
+    because the snapshot's parallel copy had started an OpenMP team in the kernel (it does not survive a
+    fork). Here the same ranks hung until the plan's budget ran out ("not measured") before the snapshot
+    copied on one thread; now the first entry fits."""
+    pytest.importorskip("pytorch_lightning")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "forked_after_snapshot.py"
+    script.write_text(FORKED_AFTER_SNAPSHOT)
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FIRST fits" in done.stdout, done.stdout[-3000:]
+    assert "195.8" in done.stdout, "the snapshot copied the earlier cell's dataset"
