@@ -13,6 +13,7 @@ the user holds stay valid, then checks that nothing tracked differs (``UserState
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
 from collections.abc import Iterator, Mapping, MutableSet
@@ -201,6 +202,11 @@ class UserState:
 _MISSING = object()
 
 
+@functools.cache
+def _openmp(torch: Any) -> bool:
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 @contextlib.contextmanager
 def one_cpu_thread() -> Iterator[None]:
     """The tool's own CPU copies and comparisons on the calling thread alone, torch's thread count put back
@@ -212,7 +218,8 @@ def one_cpu_thread() -> Iterator[None]:
     import torch
 
     threads = torch.get_num_threads()
-    if threads == 1:
+    # Torch's own thread pool (the native backend) survives a fork, and refuses a new size with a warning.
+    if threads == 1 or not _openmp(torch):
         yield
         return
     torch.set_num_threads(1)
