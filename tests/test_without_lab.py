@@ -9,8 +9,7 @@ import os
 from pathlib import Path
 
 import nbformat
-from nbclient import NotebookClient
-from nbclient.exceptions import CellTimeoutError
+from test_kernel import WatchedClient, run_watched
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -24,20 +23,13 @@ def step(n):
     return x.float().sum()
 y = step(batch_size)"""
 
-# Each cell takes seconds; a kernel that stops answering (seen once in CI's ~30 runs, with ipykernel 7 and a
-# widget's comms) is cut off well before pytest's timeout, and it prints every thread's stack first: where
-# it stopped, in the test's output.
-CELL_TIMEOUT_S = 100
-WATCHDOG_CELL = f"""import faulthandler, sys
-faulthandler.dump_traceback_later({CELL_TIMEOUT_S - 10}, file=sys.__stderr__)"""
-
 CLICK_CELL = """import oommagic
 widget = oommagic.report_widget()
 retry = widget.click("batch")
 print("retry:", retry.outcome)"""
 
 
-class RecordingClient(NotebookClient):
+class RecordingClient(WatchedClient):
     """nbclient as it is (no frontend comm targets but the widget manager's), noting each comm opened."""
 
     def __init__(self, *args, **kwargs):
@@ -50,30 +42,20 @@ class RecordingClient(NotebookClient):
         return super().process_message(msg, cell, cell_index)
 
 
-def executed() -> tuple[nbformat.NotebookNode, RecordingClient]:
-    """The notebook run in a new kernel; a kernel that stopped answering is started once more (its stacks
-    are in the output); a second one that does fails the test."""
-    for attempt in (1, 2):
-        nb = nbformat.v4.new_notebook()
-        cells = (WATCHDOG_CELL, "%load_ext oommagic", OOM_CELL, CLICK_CELL)
-        nb.cells = [nbformat.v4.new_code_cell(s) for s in cells]
-        client = RecordingClient(
-            nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", allow_errors=True, store_widget_state=True
-        )
-        try:
-            client.execute()
-            return nb, client
-        except CellTimeoutError:
-            if attempt == 2:
-                raise
-            print("the kernel stopped answering; its threads' stacks are above: running the notebook again")
-    raise AssertionError("unreachable")
-
-
 def test_widget_report_and_retry_work_with_no_lab_extension(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    nb, client = executed()
-    oom, click = nb.cells[2], nb.cells[3]
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(s) for s in ("%load_ext oommagic", OOM_CELL, CLICK_CELL)]
+    # Each cell takes seconds: one that has not ended in 100 s is a kernel that stopped answering.
+    client = run_watched(
+        nb,
+        RecordingClient,
+        timeout=100,
+        kernel_name="python3",
+        allow_errors=True,
+        store_widget_state=True,
+    )
+    oom, click = nb.cells[1], nb.cells[2]
 
     # The kernel offered the sidebar its runs; nothing on this side took them.
     assert "oommagic" in client.comm_targets
