@@ -116,3 +116,13 @@ def run_cell(shell):
         return result, re.sub(r"\x1b\[[0-9;]*m", "", cap.stdout + cap.stderr)
 
     return run
+
+
+@pytest.fixture
+def fresh_names(shell):
+    """Names a test's cells add to the shared shell are dropped after it (``pytestmark =
+    pytest.mark.usefixtures("fresh_names")`` in a module whose every test wants it)."""
+    before = set(shell.user_ns)
+    yield
+    for name in set(shell.user_ns) - before:
+        shell.user_ns.pop(name, None)

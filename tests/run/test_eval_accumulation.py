@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import pytest
 
-import oommagic
-from oommagic.run.session import session_for
-from oommagic.view.widget import ReportWidget
+from tests.run.work import failed_and_first
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
 @pytest.fixture(autouse=True)
-def fresh_names_and_accelerator(shell):
-    before = set(shell.user_ns)
+def fresh_accelerator(fresh_names):
     yield
-    for name in set(shell.user_ns) - before:
-        shell.user_ns.pop(name, None)
     # The Trainer made an Accelerator in this process, whose state outlives the test (see
     # tests/run/test_trainer_settings.py): gone again, as in a fresh kernel.
     from accelerate.state import AcceleratorState
@@ -40,15 +35,10 @@ def fails_then_first_fix(shell, run_cell, probe: str, cell: str, logits_per_batc
     for name in set(shell.user_ns) - before - {"probe"}:
         shell.user_ns.pop(name)  # the probe's predictions: held, they would be on the card before the cell
     limit = (shell.user_ns["probe"].peak_reserved + 1.5 * logits_per_batch) / 2**20
-    run_cell(f"%%gpumem --limit {limit:.3f}MiB --quiet --no-raise --plan-budget 60\n{cell}")
-    failed = oommagic.history()[-1]
-    assert failed.outcome == "oom", failed.headline()
+    failed, widget, first = failed_and_first(shell, run_cell, cell, limit)
     finding = next((f for f in failed.findings if f.key == "gathered"), None)
     assert finding is not None, [(f.key, f.evidence) for f in failed.findings]
     assert "smaller evaluation batch does not shrink them" in finding.evidence
-    widget = ReportWidget(failed, session_for(shell))
-    assert widget.fixes, [e.line() for e in failed.plan.entries]
-    first = widget.fixes[0]
     assert first.kind == "eval_accumulation", [e.line() for e in failed.plan.entries]
     assert failed.plan.recommended.verdict == "fits", failed.plan.recommended.line()
     if setting is not None:

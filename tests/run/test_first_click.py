@@ -16,28 +16,15 @@ from oommagic.diagnosis.source import BatchGuess
 from oommagic.run.capture import LEDGER
 from oommagic.run.session import session_for
 from oommagic.view.widget import ReportWidget
-from tests.run.work import counted
+from tests.run.work import counted, failed_and_first
 
-
-@pytest.fixture(autouse=True)
-def clean(shell):
-    before = set(shell.user_ns)
-    yield
-    for name in set(shell.user_ns) - before:
-        shell.user_ns.pop(name, None)
+pytestmark = pytest.mark.usefixtures("fresh_names")
 
 
 def first_click(limit_mib: float, cell: str, shell, run_cell):
     """The cell failed under the limit, then the report's first fix pressed (the widget a person sees;
     ``--quiet`` only keeps it off the screen)."""
-    run_cell(f"%%gpumem --limit {limit_mib:.3f}MiB --quiet --no-raise --plan-budget 60\n{cell}")
-    failed = oommagic.history()[-1]
-    assert failed.outcome == "oom", failed.headline()
-    widget = ReportWidget(failed, session_for(shell))
-    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + [
-        failed.plan and [e.line() for e in failed.plan.entries]
-    ]
-    first = widget.fixes[0]
+    failed, widget, first = failed_and_first(shell, run_cell, cell, limit_mib)
     return failed, first, widget.click(first.kind)
 
 

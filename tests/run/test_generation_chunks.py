@@ -10,18 +10,12 @@ from __future__ import annotations
 import pytest
 
 import oommagic
-from oommagic.run.session import session_for
-from oommagic.view.widget import ReportWidget
+from tests.run.work import failed_and_first
 
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def clean(shell):
-    before = set(shell.user_ns)
-    yield
-    for name in set(shell.user_ns) - before:
-        shell.user_ns.pop(name, None)
+pytestmark = pytest.mark.usefixtures("fresh_names")
 
 
 def failed_then_first_click(shell, run_cell, probe_cell: str, cell: str):
@@ -31,13 +25,7 @@ def failed_then_first_click(shell, run_cell, probe_cell: str, cell: str):
     probe = shell.user_ns["probe"]
     assert probe.outcome == "ok", probe.headline()
     limit = (probe.before_allocated + 1.5 * (probe.peak_allocated - probe.before_allocated)) / 2**20
-    run_cell(f"%%gpumem --limit {limit:.3f}MiB --quiet --no-raise --plan-budget 60\n{cell}")
-    failed = oommagic.history()[-1]
-    assert failed.outcome == "oom", failed.headline()
-    widget = ReportWidget(failed, session_for(shell))
-    lines = [e.line() for e in failed.plan.entries] if failed.plan else []
-    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + lines
-    first = widget.fixes[0]
+    failed, widget, first = failed_and_first(shell, run_cell, cell, limit)
     return failed, first, widget.click(first.kind)
 
 

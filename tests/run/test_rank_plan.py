@@ -79,17 +79,13 @@ def children() -> set[int]:
 
 
 @pytest.fixture
-def trained_before(shell):
+def trained_before(shell, fresh_names):
     # A notebook that launches ranks has imported what an optimizer step imports (torch._dynamo's
     # pieces): forked ranks inherit it instead of importing it each (seconds on two busy cores).
     shell.run_cell(
         "_warm = torch.nn.Linear(2, 2); _warm_opt = torch.optim.Adam(_warm.parameters())\n"
         "_warm(torch.ones(1, 2)).sum().backward(); _warm_opt.step()\ndel _warm, _warm_opt"
     )
-    before = set(shell.user_ns)
-    yield
-    for name in set(shell.user_ns) - before:
-        shell.user_ns.pop(name, None)
 
 
 def test_the_first_fix_fits_on_every_rank_when_pressed(shell, run_cell, trained_before):

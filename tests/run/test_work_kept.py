@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-import oommagic
-from oommagic.run.session import session_for
-from oommagic.view.widget import ReportWidget
-from tests.run.work import counted
+from tests.run.work import counted, failed_and_first
 
-
-@pytest.fixture(autouse=True)
-def clean(shell):
-    before = set(shell.user_ns)
-    yield
-    for name in set(shell.user_ns) - before:
-        shell.user_ns.pop(name, None)
+pytestmark = pytest.mark.usefixtures("fresh_names")
 
 
 def fail_then_click(
@@ -37,14 +28,7 @@ def fail_then_click(
     limit = (probe.before_allocated + room * (probe.peak_allocated - probe.before_allocated)) / 2**20
     run_cell(between)
     # A budget well above the trials' few seconds: on a loaded machine a plan cut short says "not measured".
-    run_cell(f"%%gpumem --limit {limit:.3f}MiB --quiet --no-raise --plan-budget 120\n{cell}")
-    failed = oommagic.history()[-1]
-    assert failed.outcome == "oom", failed.headline()
-    widget = ReportWidget(failed, session_for(shell))
-    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + [
-        failed.plan and [e.line() for e in failed.plan.entries]
-    ]
-    first = widget.fixes[0]
+    _, widget, first = failed_and_first(shell, run_cell, cell, limit, budget=120)
     with counted(module, training) as clicked:
         fitted = widget.click(first.kind)
     return first, fitted, written, clicked

@@ -1,5 +1,6 @@
-"""The work a cell did, counted as a person would: optimizer steps (torch's global step hook) and the rows of
-the model's forwards. Shared by the tests that check an accepted fix keeps the cell's work."""
+"""What the first-click tests share: a failing cell's report widget and its first fix (``failed_and_first``),
+and the work a cell did, counted as a person would: optimizer steps (torch's global step hook) and the rows of
+the model's forwards (``counted``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,22 @@ from collections.abc import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+import oommagic
+from oommagic.run.session import session_for
+from oommagic.view.widget import ReportWidget
+
+
+def failed_and_first(shell, run_cell, cell: str, limit_mib: float, budget: int = 60):
+    """``cell`` run under ``--limit`` (it must fail), the report widget a person sees (``--quiet`` only keeps
+    it off the screen) and the widget's first fix: (the failed run, the widget, the fix)."""
+    run_cell(f"%%gpumem --limit {limit_mib:.3f}MiB --quiet --no-raise --plan-budget {budget}\n{cell}")
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom", failed.headline()
+    widget = ReportWidget(failed, session_for(shell))
+    lines = [e.line() for e in failed.plan.entries] if failed.plan else []
+    assert widget.fixes, [(f.title, f.evidence) for f in failed.findings] + lines
+    return failed, widget, widget.fixes[0]
 
 
 @contextlib.contextmanager
