@@ -13,10 +13,10 @@ the user holds stay valid, then checks that nothing tracked differs (``UserState
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 import sys
-from collections.abc import Iterator, Mapping, MutableSet
+import threading
+from collections.abc import Callable, Iterator, Mapping, MutableSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,14 +99,15 @@ class UserState:
                 )
         state = cls(namespace=dict(namespace), nbytes=nbytes, tracked=set(walk.seen))
         not_kept = list(walk.not_kept)
-        import torch
 
-        with torch.no_grad(), one_cpu_thread():
+        def copy() -> None:
             for t, path, _ in walk.tensors:
                 try:
                     state.tensors.append(_Tensor(t, path))
                 except Exception as err:  # a meta or otherwise storage-less tensor: named, not kept
                     not_kept.append((path, f"not copyable: {type(err).__name__}"))
+
+        off_the_main_thread(copy)
         state.arrays = [(a, a.copy(), path) for a, path, _ in walk.arrays]
         state.containers = [(c, _contents(c), path) for c, path, _ in walk.containers]
         state.objects = [(o, dict(instance_dict(o)), path) for o, path, _ in walk.objects]
@@ -125,7 +126,6 @@ class UserState:
         """Put everything back as it was when the snapshot was taken: bindings, attributes, contents,
         then the tensors whose values differ, the generators and the global RNGs. One thing that cannot
         be put back does not stop the others: it is named by ``verify``."""
-        import torch
 
         self.failed = []
         for key in [k for k in namespace if k not in self.namespace]:
@@ -143,10 +143,13 @@ class UserState:
             with self._naming(path):
                 if not _same_contents(container, saved):
                     _refill(container, saved)
-        with torch.no_grad(), one_cpu_thread():
+
+        def write_back() -> None:
             for kept in self.tensors:
                 with self._naming(kept.path):
                     _restore_tensor(kept)
+
+        off_the_main_thread(write_back)
         # Views share their base's version counter (`mu, logvar = h.chunk(2)`): writing one back moves the
         # counter the other read, so the counters are read once every value is back.
         for kept in self.tensors:
@@ -202,31 +205,41 @@ class UserState:
 _MISSING = object()
 
 
-@functools.cache
-def _openmp(torch: Any) -> bool:
-    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
-
-
-@contextlib.contextmanager
-def one_cpu_thread() -> Iterator[None]:
-    """The tool's own CPU copies and comparisons on the calling thread alone, torch's thread count put back
-    after. A parallel CPU op starts an OpenMP team in the kernel, and GNU OpenMP does not survive a fork: a
-    cell that forks its ranks afterwards (Lightning's ``ddp_notebook``, ``start_method="fork"``) gets
-    children whose first parallel op hangs (here) or segfaults (measured on the H100 machine, in a trial
-    of a Lightning cell whose 3 GiB loader tensor the snapshot had copied). The tool must not start one
-    on the person's behalf."""
+def off_the_main_thread(work: Callable[[], None]) -> None:
+    """Run the tool's own tensor copies and comparisons (``work``) on a short-lived thread of their own,
+    under ``no_grad``, and wait for it. A parallel CPU op starts an OpenMP team for the thread that runs
+    it, and GNU OpenMP's team does not survive a fork: a cell that forks its ranks afterwards (Lightning's
+    ``ddp_notebook``, ``start_method="fork"``) gets children whose first parallel op on the main thread
+    hangs (here) or segfaults (measured on the H100 machine, in a trial of a Lightning cell whose 3 GiB
+    loader tensor the snapshot had copied). The team of a thread that has ended is gone with it, and the
+    kernel's main thread keeps none the person did not start. (Setting torch's thread count to 1 around the
+    copies instead made every forked CUDA rank abort: once a count was ever set, each autograd device
+    thread sets it again at start, which torch 2.11's thread pool refuses after a fork: measured on 2 ×
+    H100.) An interrupt while it works waits for it to finish, then is raised: a copy is never left half
+    written."""
     import torch
 
-    threads = torch.get_num_threads()
-    # Torch's own thread pool (the native backend) survives a fork, and refuses a new size with a warning.
-    if threads == 1 or not _openmp(torch):
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with torch.no_grad():
+                work()
+        except BaseException as err:  # raised again on the caller's thread
+            failed.append(err)
+
+    helper = threading.Thread(target=run, name="oommagic-snapshot", daemon=True)
+    helper.start()
+    interrupted: BaseException | None = None
+    while helper.is_alive():
+        try:
+            helper.join()
+        except KeyboardInterrupt as err:
+            interrupted = err
+    if failed:
+        raise failed[0]
+    if interrupted is not None:
+        raise interrupted
 
 
 def host_available() -> int | None:

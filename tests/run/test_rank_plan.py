@@ -374,7 +374,7 @@ def test_lightning_ranks_forked_after_a_trials_snapshot_run(tmp_path):
     """Measured on two H100s: every trial's forked Lightning rank segfaulted at its first parallel CPU op,
     because the snapshot's parallel copy had started an OpenMP team in the kernel (it does not survive a
     fork). Here the same ranks hung until the plan's budget ran out ("not measured") before the snapshot
-    copied on one thread; now the first entry fits."""
+    copied on a thread of its own; now the first entry fits."""
     pytest.importorskip("pytorch_lightning")
     import subprocess
     import sys

@@ -278,15 +278,19 @@ def test_a_scan_reads_views_whose_base_was_written_without_raising(shell):
 FORK_AFTER_SNAPSHOT = """
 import os, signal, sys, time, torch
 from oommagic.run.snapshot import UserState
-torch.set_num_threads(2)
+# Torch's thread count is the person's: once any count is set, each CUDA autograd thread of a rank forked
+# later sets it again, which torch 2.11 refuses after a fork (every rank aborted on 2 x H100).
+counts = []
+set_threads = torch.set_num_threads
+torch.set_num_threads = lambda n: (counts.append(n), set_threads(n))[1]
 # 64 MiB, made and changed without a torch op (NumPy): only the tool's copies and comparisons run torch's
-# CPU kernels here, which at this size run in parallel unless the tool keeps them on one thread.
+# CPU kernels here, which at this size run in parallel (OMP_NUM_THREADS=2) on the thread that calls them.
 namespace = {"rows": torch.frombuffer(bytearray(64 * 1024 * 1024), dtype=torch.float32)}
 state = UserState.take(namespace, check_host=False)
 namespace["rows"].numpy()[:] = 1.0
 state.restore(namespace)
 assert not namespace["rows"].numpy().any()
-assert torch.get_num_threads() == 2, torch.get_num_threads()
+assert torch.get_num_threads() == 2 and counts == [], (torch.get_num_threads(), counts)
 pid = os.fork()
 if pid == 0:  # a rank forked by the cell afterwards: its first parallel CPU op
     torch.randperm(4 * 1024 * 1024)
@@ -306,9 +310,10 @@ else:
 
 
 def test_a_process_the_cell_forks_after_a_trial_can_run_parallel_cpu_ops(tmp_path):
-    """The snapshot's copies and comparisons start no OpenMP team in the kernel: a team does not survive a
-    fork, and a cell that forks its ranks after a trial (Lightning's ``ddp_notebook``) got children that
-    hung at their first parallel op (segfaulted on the H100 machine). In a fresh process, two threads."""
+    """The snapshot's copies and comparisons start no OpenMP team on the kernel's main thread (a team does
+    not survive a fork: a cell that forks its ranks after a trial, Lightning's ``ddp_notebook``, got
+    children that hung at their first parallel op, segfaulted on the H100 machine), and never set torch's
+    thread count (forked CUDA ranks then aborted). In a fresh process, two threads."""
     import subprocess
     import sys
 
