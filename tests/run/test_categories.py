@@ -217,3 +217,33 @@ def test_the_cuda_trace_replay_breaks_down_the_peak_its_timeline_shows():
         at_peak.values(), [Observation(55, grad, "gradients")], "peak", "allocator", None, reserved
     )
     assert again["gradients"] == 0
+
+
+def test_a_sharded_parameters_memory_is_read_at_its_local_shard():
+    """FSDP2's parameters and gradients are ``DTensor``s, whose own storage is no memory: reading its address
+    raised inside the person's optimizer step on the H100s ("invalid python storage") and killed every rank
+    of an FSDP2 trial. The step's observer reads the local shard's address; a tensor with no storage reads
+    as None, without raising."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from oommagic.run.capture.roles import StepRoles, storage_address
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        weight = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+        weight.grad = distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])
+        optimizer = torch.optim.SGD([weight], lr=0.1)
+        local = weight._local_tensor.untyped_storage().data_ptr()
+        grad = weight.grad._local_tensor.untyped_storage().data_ptr()
+        with pytest.raises(RuntimeError):
+            weight.untyped_storage().data_ptr()
+        steps = StepRoles(storage_address, lambda: 1.0)
+        steps(optimizer)
+        assert steps.steps == [(1.0, ((grad, local),))]
+        plain = torch.zeros(3)
+        assert storage_address(plain) == plain.untyped_storage().data_ptr()
+        assert storage_address(torch.zeros(3).to_sparse()) is None
+    finally:
+        dist.destroy_process_group()

@@ -140,9 +140,24 @@ def cuda_key(index: int) -> Key:
     def key(t: Any) -> int | None:
         if t.device.type != "cuda" or (t.device.index or 0) != index:
             return None
-        return t.untyped_storage().data_ptr()
+        return storage_address(t)
 
     return key
+
+
+def storage_address(t: Any) -> int | None:
+    """Where ``t``'s memory starts: its storage's address, a wrapper subclass's (FSDP2's ``DTensor``: its
+    own storage is not valid memory, and reading its address raises) that of its first inner tensor, None
+    where no address can be read. Read inside the person's optimizer step, so it never raises."""
+    try:
+        while hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            if not names:
+                break
+            t = getattr(t, names[0])
+        return t.untyped_storage().data_ptr()
+    except Exception:
+        return None
 
 
 def now_us() -> float:
