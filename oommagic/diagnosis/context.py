@@ -98,6 +98,7 @@ class NamespaceScan:
     call_batch: BatchGuess | None = None
     rows_batch: BatchGuess | None = None
     object_batch: BatchGuess | None = None
+    command_batch: BatchGuess | None = None
     sliced_batch: BatchGuess | None = None
     frames: tuple[Frame, ...] = ()
     kept: tuple[Kept, ...] = ()
@@ -137,6 +138,9 @@ def scan_namespace(
         where = torch.device(device)
         ints = tuple((k, v) for k, v in namespace.items() if type(v) is int and not IPYTHON_NAME.fullmatch(k))
         trains = cell.trains(source) or "backward" in _names_in_calls(source, namespace)
+        launched = _quietly(launched_script, source, namespace)
+        # A script the cell launches trains where its text does: the fix keeps its effective batch.
+        trains = trains or (launched is not None and cell.trains(launched[0]))
         generation = _generates(source, namespace)
         checkpointing = "checkpointing" in applied or cell.checkpoints(source)
         leftovers, models, optimizers = _holdings(namespace, where, source, checkpointing, trains)
@@ -160,6 +164,7 @@ def scan_namespace(
             call_batch=default_batch(source, namespace),
             rows_batch=_quietly(rows_batch, source, namespace, helpers),
             object_batch=_quietly(object_batch, source, namespace),
+            command_batch=cell.command_batch(source, *launched) if launched is not None else None,
             sliced_batch=_quietly(sliced_batch, source, namespace),
             rows_call=_quietly(rows_call, source, namespace, line),
             generate_call=_quietly(generate_call, error),
@@ -467,7 +472,8 @@ def make_context(
             or cell.shape_batch(source, ints)
             or scan.call_batch
             or scan.rows_batch
-            or scan.object_batch,
+            or scan.object_batch
+            or scan.command_batch,
             None if batch_name else scan.sliced_batch,
         ),
         models=scan.models,
@@ -723,6 +729,31 @@ def settings_batch(source: str, namespace: Mapping) -> BatchGuess | None:
         mirrors = ((f"{owner}._train_batch_size", copied),) if type(copied) is int and not evaluating else ()
         return BatchGuess(f"{owner}.args.{key}", value, "attribute", accumulation, mirrors)
     return None
+
+
+def launched_script(source: str, namespace: Mapping, most: int = 2**20) -> tuple[str, dict[str, str]] | None:
+    """(the text, the line's expansions) of a script the cell launches on ranks (``!torchrun train.py
+    --batch-size 64``). The line's expansions (``{script}``, ``{sys.executable}``, ``$path``) are read where
+    they name a string of the namespace or a module's string, nothing evaluated; the script is read, never
+    written (at most ``most`` bytes)."""
+    if "!" not in source:
+        return None
+    expand = {}
+    for found in re.finditer(r"\{([\w.]+)\}|\$(\w+)", source):
+        key = found.group(1) or found.group(2)
+        head, *rest = key.split(".")
+        value = namespace.get(head)
+        for attr in rest:
+            # A module's attribute (``sys.executable``) is a plain lookup; another object's may be a property.
+            value = vars(value).get(attr) if isinstance(value, types.ModuleType) else None
+        if isinstance(value, (str, os.PathLike)):
+            expand[key] = os.fspath(value)
+    started = cell.launch(source, expand)
+    if started is None:
+        return None
+    path = os.path.join(os.getcwd(), os.path.expanduser(started.script))
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read(most), expand
 
 
 def object_batch(source: str, namespace: Mapping) -> BatchGuess | None:

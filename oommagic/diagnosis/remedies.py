@@ -58,6 +58,7 @@ from .source import (
     tokenizer_calls,
     tree_of,
 )
+from .source.command import command_source
 
 MIB = 1024**2
 # Measured on GPT-2 124M on an H200 (DESIGN.md): bf16 autocast cut the peak 16%, three times faster;
@@ -435,6 +436,9 @@ def batch_source(
         return None, guess.accumulation is not None or acc <= 1
     if guess.where in ("object", "loader"):
         return _set_first(source, helpers, guess, new, acc, taken)
+    if guess.where == "command":
+        # A script's option on the cell's launch line: the line passes the new values, the script stays.
+        return command_source(source, guess, new, acc)
     written = guess.where in WRITTEN
     taken = {*taken, *(word for _, code in helpers for word in fresh_words(code))}
     rewritten = rewrite_batch(source, guess, new, acc, taken) if written else source

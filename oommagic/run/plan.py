@@ -30,7 +30,7 @@ from ..diagnosis.plan import (
 )
 from ..diagnosis.rank_trials import trial_of_ranks
 from ..diagnosis.ranks import unreached
-from ..diagnosis.source import steps_optimizer
+from ..diagnosis.source import launch, steps_optimizer
 from ..sizes import format_bytes
 from .batch_search import Trial, next_batch
 from .fixes import spec_with
@@ -71,6 +71,11 @@ def measure_plan(session: Any, run: CellRun) -> FixPlan:
     if budget_s <= 0 or not candidates(run):
         # A distributed cell's fixes are automatic where a relaunch puts them into every rank.
         none = "no fix a relaunch of the ranks can apply" if run.ranks is not None else "no automatic fix"
+        if run.ranks is not None and launch(run.source) is not None:
+            none += (
+                " (the script it launches takes no batch option on its command line, an argparse "
+                "--batch-size, which a fix could pass; the script's own text is not rewritten)"
+            )
         plan = unmeasured_plan(run, "--plan-budget 0" if budget_s <= 0 else none)
         if run.ranks is not None:
             plan = replace(plan, summary=plan.summary + _unreached(run))
@@ -124,7 +129,9 @@ class _Measure:
         if run.ranks is not None and run.ranks.bottleneck is not None:
             self.budget = run.ranks.bottleneck.budget or self.budget
         self.margin = session.settings.plan_margin
-        self.training = bool(run.context and run.context.training)
+        # Ranks that took optimizer steps train, whatever the cell's text says (a script it launches).
+        stepped = run.ranks is not None and any(r.steps for r in run.ranks.results)
+        self.training = bool(run.context and run.context.training) or stepped
         self.keeps = any(f.key in ("growth", "kept") for f in run.findings)
 
         self.budget_s = budget_s

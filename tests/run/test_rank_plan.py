@@ -344,6 +344,88 @@ def test_a_run_whose_state_is_the_bulk_is_sharded_with_fsdp2_on_every_rank(shell
     assert fitted.source == fix.new_source
 
 
+# A script run through `!torchrun`, as the README says: its batch and accumulation on its command line
+# (argparse), the work recorded with `oommagic.rank_recorder()`. Each rank writes what it took to a file
+# beside the script (the last run's figures are the pressed run's).
+TORCHRUN_SCRIPT = """
+import argparse, json, os, sys, torch, torch.distributed as dist, oommagic
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("-b", "--batch-size", type=int, default=64)
+parser.add_argument("--grad-accum", dest="gradient_accumulation_steps", type=int, default=1)
+args = parser.parse_args()
+
+def main():
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
+    opt = torch.optim.Adam(model.parameters())
+    cache = torch.zeros(4 * 1024 * 1024, dtype=torch.uint8) if rank == 1 else None
+    samples = 0
+    for step in range(args.steps * args.gradient_accumulation_steps):
+        x = torch.randn(args.batch_size, 128)
+        (model(x).square().mean() / args.gradient_accumulation_steps).backward()
+        samples += x.shape[0]
+        if (step + 1) % args.gradient_accumulation_steps == 0:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+    seen = [int(opt.state[model[0].weight]["step"]), samples]
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"seen-{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    dist.destroy_process_group()
+
+with oommagic.rank_recorder():
+    main()
+"""
+
+
+def test_a_torchrun_scripts_batch_is_fixed_on_its_command_line(shell, run_cell, trained_before, tmp_path):
+    """``!torchrun train.py --batch-size 512``: the script reads its batch and accumulation through
+    argparse, so the fix is the cell's command line (the script, the person's file, stays as it is): the
+    plan relaunches torchrun with a smaller per-rank batch and the accumulation that keeps the global batch,
+    and pressed, it fits on both ranks with the same optimizer steps and samples."""
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    written = script.read_text()
+    shell.user_ns["script"] = str(script)
+    started_with = children()
+    run_cell(
+        "%%gpumem --limit 8MiB --device cpu --quiet --plan-budget 120\n"
+        "import os, sys\npath = os.pathsep.join(sys.path)\n"
+        f"!PYTHONPATH=$path {{sys.executable}} -m torch.distributed.run --nproc_per_node 2 --master_port"
+        f" {free_port()} {{script}} --steps {STEPS} --batch-size {BATCH}"
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.ranks.out_of_memory.rank == 1, failed.headline()
+    assert not failed.raised, "torchrun returns: the cell does not fail, as without the tool"
+
+    first = failed.plan.entries[0]
+    assert first.verdict == FITS, [e.line() for e in failed.plan.entries]
+    (fix,) = first.fixes
+    assert fix.kind == "batch" and fix.params["where"] == "command"
+    new, acc = fix.params["new"], fix.params["accumulate"]
+    assert new < BATCH and new * acc == BATCH
+    assert f"--batch-size {new} --grad-accum {acc}" in fix.new_source, fix.new_source
+    assert "tightest of 2 ranks: rank 1 (cpu)" in first.line()
+
+    fitted = ReportWidget(failed, session_for(shell)).click("batch")
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
+    assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
+    # The same work: each rank took the cell's optimizer steps on 512 samples each.
+    seen = [json.loads((tmp_path / f"seen-{rank}.json").read_text()) for rank in range(WORLD)]
+    assert seen == [[STEPS, BATCH * STEPS], [STEPS, BATCH * STEPS]]
+    assert script.read_text() == written, "the script is the person's: not rewritten"
+    assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
+    assert fitted.source == fix.new_source
+
+
 # In a fresh process with two CPU threads (Lightning leaves a rank's thread count alone where
 # OMP_NUM_THREADS is set): a dataset of an earlier cell that the trial's snapshot copies, then a Lightning
 # cell whose forked ranks shuffle it (a parallel randperm in each rank).

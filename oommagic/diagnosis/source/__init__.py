@@ -23,6 +23,7 @@ from .batch import (
     step_literals,
     tokenizer_calls,
 )
+from .command import command_batch, launch
 from .evaluation import (
     TRAINING_ARGUMENTS,
     EvalBatch,
@@ -129,6 +130,7 @@ __all__ = [
     "calls_only",
     "calls_with_keyword",
     "checkpoints",
+    "command_batch",
     "contains",
     "disables_grad",
     "dotted_name",
@@ -148,6 +150,7 @@ __all__ = [
     "keyword_name",
     "keyword_value",
     "last_logits_calls",
+    "launch",
     "lightning_calls",
     "lightning_eval_batch",
     "load_calls",
