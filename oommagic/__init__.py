@@ -16,6 +16,7 @@ __all__ = [
     "CellRun",
     "OOMReport",
     "Timeline",
+    "checkpointed",
     "format_bytes",
     "history",
     "is_oom",
@@ -26,6 +27,17 @@ __all__ = [
     "rebatched",
     "report_widget",
 ]
+
+
+def checkpointed(model):
+    """``model`` itself, its blocks' activations recomputed in the backward pass instead of kept (a
+    transformers model through ``gradient_checkpointing_enable``; else each element of its outermost
+    ``ModuleList``/``Sequential`` made of layers, under ``torch.utils.checkpoint``). A fix for a
+    distributed cell writes it where the ranks wrap the model:
+    ``DistributedDataParallel(oommagic.checkpointed(model))``."""
+    from .run.fixes import checkpointed as recomputing
+
+    return recomputing(model)
 
 
 def history() -> list[CellRun]:

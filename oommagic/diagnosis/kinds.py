@@ -44,7 +44,7 @@ from .rewrite import (
     truncate_source,
 )
 from .rewrite_generation import set_generation_setting, split_calls_source, split_generate_source
-from .rewrite_shard import shard_source
+from .rewrite_shard import checkpoint_source, shard_source
 from .source import BatchGuess, EvalBatch, calls_with_keyword, eval_batch_literal, inlined_product
 
 # What a fix changes beyond memory, the plan's first order among fixes that fit.
@@ -105,6 +105,8 @@ def _keyword(source: str, r: Remedy, helpers: Helpers) -> str:
 
 
 def _checkpointing(source: str, r: Remedy, helpers: Helpers) -> str:
+    if r.params.get("wrap"):  # a distributed cell: the model its DDP wrap takes, checkpointed
+        return checkpoint_source(source) or source
     if r.params.get("calls"):
         return checkpoint_calls_source(source, r.params["calls"]) or source
     for func in ("TrainingArguments", "Seq2SeqTrainingArguments", "SFTConfig"):

@@ -1,10 +1,12 @@
-"""FSDP2 in place of DistributedDataParallel: the cell's ``x = DistributedDataParallel(model, ...)`` becomes
-``fully_shard`` on each block of the model and on the model, so that each rank keeps 1/N of the weights,
-gradients and optimizer state and gathers a block's weights only while the block runs. A trial relaunches
-the ranks with the rewritten cell.
+"""Rewrites of a distributed cell's model wrap. FSDP2 in place of DistributedDataParallel: the cell's
+``x = DistributedDataParallel(model, ...)`` becomes ``fully_shard`` on each block of the model and on the
+model, so that each rank keeps 1/N of the weights, gradients and optimizer state and gathers a block's
+weights only while the block runs. Activation checkpointing: the model the wrap takes goes through
+``oommagic.checkpointed`` first (``checkpoint_source``). A trial relaunches the ranks with the rewritten
+cell.
 
-Pure ``ast`` on the cell's text. The rewrite is refused (None) where the sharded model would not run the
-cell's code as it stands: the optimizer built before the wrap (it would hold the parameters FSDP2
+Pure ``ast`` on the cell's text. The FSDP2 rewrite is refused (None) where the sharded model would not run
+the cell's code as it stands: the optimizer built before the wrap (it would hold the parameters FSDP2
 replaces), or DDP's own ``no_sync``/``join`` in use. Reads of ``x.module`` (DDP's wrapped model) read ``x``
 itself after the rewrite: FSDP2 shards the model in place.
 """
@@ -72,6 +74,35 @@ def shard_source(source: str) -> str | None:
     ):
         imports = "import torch\n" + imports
     return imports + rewritten
+
+
+def checkpoint_source(source: str) -> str | None:
+    """``source`` with the model its first ``x = DistributedDataParallel(model, ...)`` wraps handed through
+    ``oommagic.checkpointed``: each block's activations recomputed in the backward pass on every rank, the
+    batch, steps and update as written. None where the cell wraps no model so."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    found = _wrap(tree)
+    if found is None:
+        return None
+    _, assign, _ = found
+    model = assign.value.args[0]  # type: ignore[attr-defined]
+    given = ast.get_source_segment(source, model)
+    if given is None or "\n" in given:
+        return None
+    lines = source.splitlines(keepends=True)
+    line = lines[model.lineno - 1].encode()
+    start, end = model.col_offset, model.end_col_offset or model.col_offset
+    lines[model.lineno - 1] = (
+        line[:start] + f"oommagic.checkpointed({given})".encode() + line[end:]
+    ).decode()
+    imported = any(
+        isinstance(n, ast.Import) and any(a.name == "oommagic" and a.asname is None for a in n.names)
+        for n in tree.body
+    )
+    return ("" if imported else "import oommagic\n") + "".join(lines)
 
 
 def _apply(lines: list[str], edits: list[tuple], block: str, indent: str) -> str:

@@ -124,6 +124,52 @@ def rebatched(loader: Any, batch_size: int) -> Any:
     return new
 
 
+def checkpointed(model: Any) -> Any:
+    """``model`` itself, with the activations of each of its blocks recomputed in the backward pass instead
+    of kept: a transformers model through its own ``gradient_checkpointing_enable``; else each element of
+    its outermost ``ModuleList`` or ``Sequential`` that is itself made of layers (a transformer block, a
+    residual stage) runs under ``torch.utils.checkpoint`` (non-reentrant) while gradients are on. A model
+    with no such blocks is returned as it is (checkpointing one layer at a time keeps as much as it
+    saves). Blocks already checkpointed here are left alone."""
+    import torch
+
+    if getattr(model, "supports_gradient_checkpointing", False) and hasattr(
+        model, "gradient_checkpointing_enable"
+    ):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    for holder in model.modules():
+        if not isinstance(holder, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        blocks = [
+            b
+            for b in holder
+            if next(b.children(), None) is not None and next(b.parameters(), None) is not None
+        ]
+        if len(blocks) >= 2:
+            for block in blocks:
+                _checkpoint_forward(block)
+            break
+    return model
+
+
+def _checkpoint_forward(block: Any) -> None:
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    if getattr(block.forward, "_oommagic_checkpointed", False):
+        return
+    forward = block.forward
+
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    recomputed._oommagic_checkpointed = True  # type: ignore[attr-defined]
+    block.forward = recomputed
+
+
 def set_attribute(ns: dict, path: str, value: Any) -> None:
     """``trainer.args.per_device_train_batch_size = value`` for the dotted ``path`` from the namespace."""
     owner, *middle, last = path.split(".")

@@ -1,11 +1,12 @@
-"""FSDP2 in place of DistributedDataParallel, on the cell's text: the wrap rewritten where the sharded model
-runs the cell's code as it stands, refused where it would not."""
+"""A distributed cell's model wrap rewritten, on the cell's text: FSDP2 in place of DistributedDataParallel
+where the sharded model runs the cell's code as it stands (refused where it would not), and the model the
+wrap takes handed through ``oommagic.checkpointed``."""
 
 from __future__ import annotations
 
 import ast
 
-from oommagic.diagnosis.rewrite_shard import shard_source
+from oommagic.diagnosis.rewrite_shard import checkpoint_source, shard_source
 
 RANK_FUNCTION = """\
 from torch.nn.parallel import DistributedDataParallel
@@ -49,3 +50,20 @@ def test_the_sharded_model_would_not_run_the_cell_as_it_stands():
     assert shard_source("model = torch.nn.Linear(2, 2)\n") is None
     assert shard_source("x = 1; ddp = DDP(model)\n") is None
     assert shard_source("ddp = DDP(\n") is None
+
+
+def test_the_model_a_wrap_takes_is_checkpointed_where_it_stands():
+    new = checkpoint_source(RANK_FUNCTION)
+    assert new is not None
+    ast.parse(new)
+    assert new.startswith("import oommagic\nfrom torch.nn.parallel import DistributedDataParallel\n")
+    wrapped = "oommagic.checkpointed(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to(device))"
+    assert f"    model = DistributedDataParallel({wrapped},\n" in new
+    # Everything else as written: DDP's `.module` still reads the model.
+    assert (
+        new.split("\n", 1)[1].replace("oommagic.checkpointed(", "", 1).replace(")),", "),", 1)
+        == RANK_FUNCTION
+    )
+    again = checkpoint_source("import oommagic\nnet = DDP(Net())\n")
+    assert again == "import oommagic\nnet = DDP(oommagic.checkpointed(Net()))\n"
+    assert checkpoint_source("model = Net()\nmodel(x).sum().backward()\n") is None

@@ -118,14 +118,16 @@ def run_notebook(tmp_path, *cells: str) -> list[dict]:
     ]
 
 
-def assert_one_rank_ran_out(record: dict, rank: int, raised: bool = True) -> None:
+def assert_one_rank_ran_out(record: dict, rank: int, raised: bool = True, world: int = 2) -> None:
     print(json.dumps(record, indent=1))
     assert record["outcome"] == "oom" and record["raised"] is raised
     device = f"cuda:{rank}"
     assert record["headline"].startswith(f"rank {rank} ({device}) ran out of memory asking for 6.00 GiB")
-    assert [r[:2] for r in record["ranks"]] == [[0, "cuda:0"], [1, "cuda:1"]], "each rank on its own GPU"
+    own = [[r, f"cuda:{r}"] for r in range(world)]
+    assert [r[:2] for r in record["ranks"]] == own, "each rank on its own GPU"
     statuses = {r[0]: r[2] for r in record["ranks"]}
-    assert statuses[rank] == "oom" and statuses[1 - rank] in ("stopped", "lost")
+    assert statuses[rank] == "oom"
+    assert all(statuses[r] in ("stopped", "lost") for r in range(world) if r != rank)
     assert all(r[4] == 4 * GiB for r in record["ranks"] if r[2] != "lost"), "the limit on each rank's own GPU"
     assert record["strays"] == [], "no context the code did not open"
     assert record["after_failure_s"] <= 30
@@ -169,6 +171,21 @@ def test_spawn(tmp_path, wrap, phase):
         "check(before)",
     )
     assert_one_rank_ran_out(records[0], 0)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
+def test_spawn_four_ranks(tmp_path):
+    """One rank of four runs out in the backward pass (inside DDP's bucket all-reduce): the three others
+    stop, every rank ends within 30 s of the failure, and all four GPUs are back to their level."""
+    (tmp_path / "gpu_train.py").write_text(TRAIN)
+    records = run_notebook(
+        tmp_path,
+        "import gpu_train, torch.multiprocessing as mp\nbefore = gpu_used()",
+        f"%%gpumem --limit 4GiB --text --plan-budget 0\n"
+        f"mp.spawn(gpu_train.train, args=(4, 'backward', 2, 'ddp', {free_port()}), nprocs=4)",
+        "check(before)",
+    )
+    assert_one_rank_ran_out(records[0], 2, world=4)
 
 
 SCRIPT = """

@@ -221,6 +221,72 @@ def test_notebook_launcher_plan_fits_on_every_rank(tmp_path):
     assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
 
 
+# A script run through `!torchrun` (as the README says: `with oommagic.rank_recorder(): main()`), its batch
+# and accumulation argparse options. Each rank writes [optimizer steps, rows] beside the script; `seen` reads
+# them back (the last run's: the pressed one's).
+SCRIPT = """
+import argparse, datetime, json, os, torch, torch.distributed as dist, oommagic
+from torch.nn.parallel import DistributedDataParallel
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, default=1)
+parser.add_argument("--batch-size", type=int, default=64)
+parser.add_argument("--grad-accum", type=int, default=1)
+args = parser.parse_args()
+
+def main():
+    rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=device)
+    layers = (torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096))
+    model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device), device_ids=[rank])
+    optimizer = torch.optim.AdamW(model.parameters())
+    cache = torch.empty(1024**3, dtype=torch.uint8, device=device) if rank == 1 else None
+    rows = 0
+    for step in range(args.steps * args.grad_accum):
+        x = torch.randn(args.batch_size, 4096, device=device)
+        (model(x).square().mean() / args.grad_accum).backward()
+        rows += x.shape[0]
+        if (step + 1) % args.grad_accum == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    steps = int(optimizer.state[model.module[0].weight]["step"])
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), f"seen-{rank}.json"), "w") as f:
+        json.dump([steps, rows], f)
+    torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+
+with oommagic.rank_recorder():
+    main()
+"""
+
+SEEN_FROM_FILES = """
+class FromFiles:
+    def tolist(self):
+        return [json.load(open(os.path.join({where!r}, f"seen-{{rank}}.json"))) for rank in range(2)]
+seen = FromFiles()
+before = gpu_used()
+"""
+
+
+def test_torchrun_script_plan_fits_on_every_rank(tmp_path):
+    (tmp_path / "plan_script.py").write_text(SCRIPT)
+    written = (tmp_path / "plan_script.py").read_text()
+    record = plan_record(
+        tmp_path,
+        SEEN_FROM_FILES.format(where=str(tmp_path)),
+        "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
+        f"!{{sys.executable}} -m torch.distributed.run --nproc_per_node 2 --master_port {free_port()}"
+        f" {tmp_path / 'plan_script.py'} --steps {STEPS} --batch-size {BATCH}",
+    )
+    assert_fits_on_every_rank(record)
+    # The fix is the cell's command line; the script, the person's file, is as it was.
+    accumulate = record["params"]["accumulate"]
+    assert f"--batch-size {BATCH // accumulate} --grad-accum {accumulate}" in record["fitted_source"]
+    assert (tmp_path / "plan_script.py").read_text() == written
+
+
 # Lightning's `ddp_notebook` forks the ranks from the kernel. `seen[rank]`: the optimizer steps Lightning took
 # (`global_step`) and the rows its training steps saw. The loader is the cell's, one row repeated (no data
 # to hold): the batch is its `batch_size`, the fix's accumulation Lightning's `accumulate_grad_batches`.

@@ -344,6 +344,73 @@ def test_a_run_whose_state_is_the_bulk_is_sharded_with_fsdp2_on_every_rank(shell
     assert fitted.source == fix.new_source
 
 
+# Activations are the bulk: four residual blocks of two layers each (a transformer's MLP), DDP over gloo, on
+# sequences of 32 tokens. Checkpointing each block keeps only its input for the backward pass.
+BLOCKS_CELL = """\
+import torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(128, 512), torch.nn.Linear(512, 128)
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(4))
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+def work(rank, port, seen):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    net = DDP(Net())
+    opt = torch.optim.Adam(net.parameters())
+    for step in range({steps}):
+        x = torch.randn(64, 32, 128)
+        net(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen[rank, 1] += x.shape[0]
+    seen[rank, 0] = int(opt.state[net.module.blocks[0].up.weight]["step"])
+    dist.destroy_process_group()
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+mp.start_processes(work, args=({port}, seen), nprocs=2, start_method="fork")
+"""
+
+
+def test_activation_checkpointing_is_measured_on_every_rank(shell, run_cell, trained_before):
+    """Build 5's activation checkpointing: the plan relaunches the ranks with the model the cell's DDP wrap
+    takes handed through ``oommagic.checkpointed`` (each block recomputed in the backward pass); it fits
+    where the run as written does not, and pressed it fits on both ranks with the same steps and samples."""
+    started_with = children()
+    run_cell(
+        "%%gpumem --limit 36MiB --device cpu --quiet --no-raise --plan-budget 90\n"
+        + BLOCKS_CELL.format(steps=STEPS, port=free_port())
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and failed.ranks.out_of_memory is not None
+    entry = next(e for e in failed.plan.entries if e.fixes[0].kind == "checkpointing")
+    assert entry.verdict == FITS, [e.line() for e in failed.plan.entries]
+    (fix,) = entry.fixes
+    assert "net = DDP(oommagic.checkpointed(Net()))" in fix.new_source
+    # The run as written needed 49 MiB a rank; checkpointed, about half.
+    assert "tightest of 2 ranks" in entry.line() and entry.peak <= 0.95 * 36 * MiB
+
+    fitted = ReportWidget(failed, session_for(shell)).click("checkpointing")
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
+    assert all(r.peak_reserved <= 0.95 * r.limit for r in fitted.ranks.results)
+    # The same work: each rank took the cell's optimizer steps on batches of 64, as written.
+    assert shell.user_ns["seen"].tolist() == [[STEPS, 64 * STEPS], [STEPS, 64 * STEPS]]
+    assert not any(alive(r.pid) for r in fitted.ranks.results)
+    assert children() <= started_with, "a rank of a trial or of a run is left"
+    assert fitted.source == fix.new_source
+
+
 # A script run through `!torchrun`, as the README says: its batch and accumulation on its command line
 # (argparse), the work recorded with `oommagic.rank_recorder()`. Each rank writes what it took to a file
 # beside the script (the last run's figures are the pressed run's).
@@ -472,3 +539,45 @@ def test_lightning_ranks_forked_after_a_trials_snapshot_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "FIRST fits" in done.stdout, done.stdout[-3000:]
     assert "195.8" in done.stdout, "the snapshot copied the earlier cell's dataset"
+
+
+def test_checkpointed_recomputes_each_block_and_keeps_the_gradients():
+    """``oommagic.checkpointed``: the blocks of a model's outermost list of multi-layer blocks run under
+    checkpoint (fewer tensors kept for the backward pass), the gradients are the same; a model of single
+    layers is left as it is; a second call changes nothing."""
+    import torch
+
+    torch.manual_seed(0)
+    encoder = torch.nn.TransformerEncoder(
+        torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True), num_layers=3
+    )
+    plain = torch.nn.Sequential(torch.nn.Linear(16, 64), encoder, torch.nn.Linear(64, 1))
+    twin = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True), num_layers=3
+        ),
+        torch.nn.Linear(64, 1),
+    )
+    twin.load_state_dict(plain.state_dict())
+    assert oommagic.checkpointed(twin) is twin
+    assert all("forward" in vars(layer) for layer in twin[1].layers)
+    assert "forward" not in vars(twin[0]) and "forward" not in vars(twin)
+    x = torch.randn(4, 10, 16)
+
+    def kept(model):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = model(x).square().mean()
+        loss.backward()
+        return len(saved)
+
+    assert kept(twin) < kept(plain)
+    for a, b in zip(plain.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad)
+    forwards = [vars(layer)["forward"] for layer in twin[1].layers]
+    oommagic.checkpointed(twin)
+    assert [vars(layer)["forward"] for layer in twin[1].layers] == forwards
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    oommagic.checkpointed(layers)
+    assert not any("forward" in vars(m) for m in layers.modules())
