@@ -119,7 +119,7 @@ from oommagic.view.widget import ReportWidget
 failed = oommagic.history()[-1]
 first = failed.plan.entries[0]
 widget = ReportWidget(failed, session_for(get_ipython()))
-offered = widget.fixes[0].kind
+offered = globals().get("PRESSING") or widget.fixes[0].kind
 fitted = widget.click(offered)
 time.sleep(1)  # NVML's figures settle once the processes are reaped
 def ranks_of(run):
@@ -128,6 +128,7 @@ print("PLAN " + json.dumps({
     "failed": failed.outcome, "failed_ranks": ranks_of(failed), "summary": failed.plan.summary,
     "lines": [e.title + ": " + e.line() for e in failed.plan.entries],
     "verdict": first.verdict, "kind": first.kind, "params": first.fixes[0].params,
+    "entries": [[e.kind, e.verdict, e.peak, e.fixes[0].new_source] for e in failed.plan.entries],
     "budget": first.budget, "peak": first.peak, "new_source": first.fixes[0].new_source,
     "offered": offered, "fitted": fitted.outcome, "fitted_ranks": ranks_of(fitted),
     "fitted_source": fitted.source, "seen": seen.tolist(),
@@ -219,6 +220,73 @@ def test_notebook_launcher_plan_fits_on_every_rank(tmp_path):
     )
     assert_fits_on_every_rank(record)
     assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
+
+
+# Activations are the bulk: eight residual blocks of two layers (a transformer's MLP, 2048 → 8192 → 2048)
+# on 16 sequences of 1024 tokens: about 9 GiB of activations beside 5 GiB of weights, gradients, DDP's
+# buckets and AdamW's state a rank, over a 10 GiB limit. Checkpointing each block keeps only its input.
+BLOCKS = """
+import datetime, os, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from accelerate import notebook_launcher
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(2048, 8192), torch.nn.Linear(8192, 2048)
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(8))
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+def work(seen):
+    rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10), device_id=device)
+    model = DistributedDataParallel(Net().to(device), device_ids=[rank])
+    optimizer = torch.optim.AdamW(model.parameters())
+    for step in range({steps}):
+        x = torch.randn(16, 1024, 2048, device=device)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seen[rank, 1] += x.shape[0]
+    seen[rank, 0] = int(optimizer.state[model.module.blocks[0].up.weight]["step"])
+    torch.cuda.synchronize(device)
+    dist.destroy_process_group()
+seen = torch.zeros(2, 2, dtype=torch.long).share_memory_()
+notebook_launcher(work, args=(seen,), num_processes=2, use_port="{port}")
+"""
+
+
+def test_notebook_launcher_checkpointing_fits_on_every_rank(tmp_path):
+    pytest.importorskip("accelerate")
+    record = plan_record(
+        tmp_path,
+        "PRESSING = 'checkpointing'\nbefore = gpu_used()",
+        "%%gpumem --limit 10GiB --text --no-raise --plan-budget 300\n"
+        + BLOCKS.format(steps=STEPS, port=free_port()),
+    )
+    assert record["failed"] == "oom"
+    (_, verdict, peak, source), *_ = [e for e in record["entries"] if e[0] == "checkpointing"]
+    assert verdict == "fits" and peak <= 0.95 * 10 * GiB, record["lines"]
+    assert "DistributedDataParallel(oommagic.checkpointed(Net().to(device)), device_ids=[rank])" in source
+    assert record["offered"] == "checkpointing" and record["fitted"] == "ok"
+    fitted = record["fitted_ranks"]
+    assert [r[:4] for r in fitted] == [[0, "cuda:0", "ok", STEPS], [1, "cuda:1", "ok", STEPS]]
+    assert all(r[5] == 10 * GiB and r[4] <= 0.95 * r[5] for r in fitted)
+    # The same work: each rank took the cell's optimizer steps on batches of 16 sequences.
+    assert record["seen"] == [[STEPS, 16 * STEPS], [STEPS, 16 * STEPS]]
+    assert record["fitted_source"] == source
+    assert record["alive"] == [] and record["children"] == [], "a rank process is left"
+    assert not record["kernel_cuda"], "the kernel started CUDA"
+    for index, used in record["before"].items():
+        assert record["after"][index] <= used + 64 * 1024**2, f"GPU {index} holds memory after the plan"
 
 
 # A script run through `!torchrun` (as the README says: `with oommagic.rank_recorder(): main()`), its batch
