@@ -160,7 +160,7 @@ def test_notebook_launcher(tmp_path):
     assert_one_rank_ran_out(failed, 1)
 
 
-@pytest.mark.parametrize(("wrap", "phase"), [("ddp", "backward"), ("fsdp2", "step")])
+@pytest.mark.parametrize(("wrap", "phase"), [("ddp", "backward"), ("fsdp2", "step"), ("fsdp2", "forward")])
 def test_spawn(tmp_path, wrap, phase):
     (tmp_path / "gpu_train.py").write_text(TRAIN)
     records = run_notebook(

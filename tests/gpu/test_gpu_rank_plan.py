@@ -222,6 +222,33 @@ def test_notebook_launcher_plan_fits_on_every_rank(tmp_path):
     assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
 
 
+# The same work on a model the ranks shard with FSDP2 themselves (no DDP): rank 1 keeps 1.5 GiB more, as
+# the sharded state is smaller than DDP's copies and buckets.
+SHARDED_RUN = (
+    LAUNCHED.replace(
+        "    model = DistributedDataParallel(torch.nn.Sequential(*layers).to(device), device_ids=[rank])\n",
+        "    from torch.distributed.fsdp import fully_shard\n"
+        "    model = torch.nn.Sequential(*layers).to(device)\n"
+        "    for layer in (model[0], model[2]):\n        fully_shard(layer)\n    fully_shard(model)\n",
+    )
+    .replace("model.module[0].weight", "model[0].weight")
+    .replace("torch.empty(1024**3,", "torch.empty(3 * 1024**3 // 2,")
+)
+
+
+def test_notebook_launcher_fsdp2_run_plan_fits_on_every_rank(tmp_path):
+    pytest.importorskip("accelerate")
+    assert "fully_shard(model)" in SHARDED_RUN and "DistributedDataParallel(" not in SHARDED_RUN
+    record = plan_record(
+        tmp_path,
+        "before = gpu_used()",
+        "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
+        + SHARDED_RUN.format(batch=BATCH, steps=STEPS, port=free_port()),
+    )
+    assert_fits_on_every_rank(record)
+    assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
+
+
 # Activations are the bulk: eight residual blocks of two layers (a transformer's MLP, 2048 → 8192 → 2048)
 # on 16 sequences of 1024 tokens: about 9 GiB of activations beside 5 GiB of weights, gradients, DDP's
 # buckets and AdamW's state a rank, over a 10 GiB limit. Checkpointing each block keeps only its input.
