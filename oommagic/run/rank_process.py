@@ -67,10 +67,11 @@ class RankTarget:
 
     ``indexed``: ``fn`` takes the rank's index first (what ``torch.multiprocessing.start_processes``
     passes); otherwise it is the function torch.distributed.elastic's worker calls with the user's own
-    arguments, and the index is ``LOCAL_RANK`` (set by that worker). ``returns``: where a trial's bounds
-    end the rank, it returns as if ``fn`` had (its launcher then sees it succeed); otherwise ``fn`` owes its
-    launcher more than its return (Lightning's worker hands its results over a queue after it), and the
-    rank ends its process once every rank reported."""
+    arguments, and the index is ``LOCAL_RANK`` (set by that worker). ``index``: the rank's index where the
+    kernel knows it (the order in which the cell started its processes one by one). ``returns``: where a
+    trial's bounds end the rank, it returns as if ``fn`` had (its launcher then sees it succeed); otherwise
+    ``fn`` owes its launcher more than its return (Lightning's worker hands its results over a queue after
+    it), and the rank ends its process once every rank reported."""
 
     def __init__(
         self,
@@ -81,15 +82,18 @@ class RankTarget:
         bounds: str | None = None,
         indexed: bool = True,
         returns: bool = True,
+        index: int | None = None,
     ) -> None:
         self.fn = fn
         self.directory, self.limit, self.device, self.bounds = directory, limit, device, bounds
-        self.indexed, self.returns = indexed, returns
+        self.indexed, self.returns, self.index = indexed, returns, index
 
-    def __call__(self, *args: Any) -> Any:
-        index = args[0] if self.indexed else int(os.environ.get("LOCAL_RANK", "0"))
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        index = self.index
+        if index is None:
+            index = args[0] if self.indexed else int(os.environ.get("LOCAL_RANK", "0"))
         with RankRecorder(self.directory, self.limit, self.device, index, self.bounds, self.returns):
-            return self.fn(*args)
+            return self.fn(*args, **kwargs)
 
 
 # --- in the rank process ------------------------------------------------------------------------------

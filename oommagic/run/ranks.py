@@ -55,7 +55,8 @@ def _cell_directory() -> str:
 
 class RankWatch:
     """For one cell: the directory the ranks report into, the environment that names it, the wrapped
-    ``start_processes``; ``gather()`` reads the ranks back and kills any still running."""
+    ``start_processes`` and ``Process.start``; ``gather()`` reads the ranks back and kills any still
+    running."""
 
     def __init__(self, limit: float | int | None, device: str, bounds: Bounds | None = None) -> None:
         self.limit = limit_text(limit)
@@ -65,6 +66,8 @@ class RankWatch:
         self.directory = ""
         self._saved_env: dict[str, str | None] = {}
         self._patched: list[tuple[Any, str, Any]] = []
+        self._pid = os.getpid()
+        self._started = itertools.count()  # the index of the next process the cell starts itself
 
     def __enter__(self) -> RankWatch:
         self.directory = _cell_directory()
@@ -104,6 +107,29 @@ class RankWatch:
                 original = owner.start_processes
                 owner.start_processes = self._wrapped(original)
                 self._patched.append((owner, "start_processes", original))
+        # Ranks the cell starts one by one (`mp.Process(target=run, args=(rank, world)).start()`, the
+        # tutorials' way): every Process class of multiprocessing and torch.multiprocessing starts here.
+        import multiprocessing.process
+
+        base = multiprocessing.process.BaseProcess
+        self._patched.append((base, "start", base.start))
+        base.start = self._started_process(base.start)
+
+    def _started_process(self, original: Any) -> Any:
+        watch = self
+
+        def start(process: Any) -> None:
+            target = getattr(process, "_target", None)
+            # Only a process this kernel starts for the cell's own function: not one a rank starts (a
+            # forked rank inherits this class), nor a library's (DataLoader workers, launchers' own).
+            if os.getpid() == watch._pid and _user_function(target) and not isinstance(target, RankTarget):
+                os.makedirs(watch.directory, exist_ok=True)
+                settings = (watch.directory, watch.limit, watch.device, watch.bounds)
+                process._target = RankTarget(target, *settings, index=next(watch._started))
+            return original(process)
+
+        start.__wrapped__ = original  # type: ignore[attr-defined]
+        return start
 
     def _wrapped(self, original: Any) -> Any:
         watch = self
@@ -161,6 +187,37 @@ def _elastic_worker(fn: Any) -> bool:
     return getattr(fn, "__module__", "") == "torch.distributed.elastic.multiprocessing.api" and (
         getattr(fn, "__name__", "") == "_wrap"
     )
+
+
+# Libraries whose own processes are not ranks of the cell (workers, pools, launchers that record their
+# ranks through start_processes).
+_LIBRARY_PROCESSES = (
+    "multiprocessing",
+    "concurrent",
+    "torch",
+    "joblib",
+    "loky",
+    "tqdm",
+    "IPython",
+    "ipykernel",
+    "jupyter",
+    "zmq",
+    "lightning",
+    "pytorch_lightning",
+    "lightning_fabric",
+    "accelerate",
+    "transformers",
+    "datasets",
+)
+
+
+def _user_function(target: Any) -> bool:
+    """Whether ``target`` is a function of the person's (a notebook's, or a module of theirs), not a
+    library's."""
+    if target is None or not callable(target):
+        return False
+    module = getattr(target, "__module__", None) or ""
+    return module.split(".", 1)[0] not in _LIBRARY_PROCESSES
 
 
 def _hands_results_over(fn: Any) -> bool:

@@ -173,6 +173,20 @@ def test_spawn(tmp_path, wrap, phase):
     assert_one_rank_ran_out(records[0], 0)
 
 
+def test_processes_started_one_by_one(tmp_path):
+    """The tutorials' way: a ``multiprocessing`` ``Process`` a rank (forked), then ``join``; no launcher
+    raises, so the cell returns as without the tool, and its headline names the rank that ran out."""
+    records = run_notebook(
+        tmp_path,
+        TRAIN + "before = gpu_used()",
+        "%%gpumem --limit 4GiB --text --plan-budget 0\nimport torch.multiprocessing as mp\n"
+        f"ranks = [mp.Process(target=train, args=(rank, 2, 'forward', 1, 'ddp', {free_port()})) for rank in"
+        " range(2)]\nfor p in ranks:\n    p.start()\nfor p in ranks:\n    p.join()",
+        "check(before)",
+    )
+    assert_one_rank_ran_out(records[0], 1, raised=False)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four CUDA devices")
 def test_spawn_four_ranks(tmp_path):
     """One rank of four runs out in the backward pass (inside DDP's bucket all-reduce): the three others

@@ -128,6 +128,54 @@ def test_the_first_fix_fits_on_every_rank_when_pressed(shell, run_cell, trained_
     assert cell_write(fitted.source, fitted.original, ()).body == fix.new_source
 
 
+def test_ranks_started_one_by_one_are_read_and_fixed(shell, run_cell, trained_before):
+    """The tutorials' way: ``mp.Process(target=work, args=(rank, ...)).start()`` for each rank, then
+    ``join``. Before, the forked ranks ran under the cell's limit unrecorded and the cell read "[ok] peak 0
+    bytes" while rank 1 ran out. Now each is recorded as the rank it was started as: the headline names it,
+    the cell returns as without the tool (no launcher raises), and the plan's first fix fits on both ranks
+    when pressed, the global batch kept."""
+    one_by_one = CELL.replace(
+        'mp.start_processes(work, args=({port}, batch_size, seen), nprocs=2, start_method="fork")',
+        "ranks = [mp.Process(target=work, args=(rank, {port}, batch_size, seen)) for rank in range(2)]\n"
+        "for p in ranks:\n    p.start()\nfor p in ranks:\n    p.join()\n"
+        "exit_codes = [p.exitcode for p in ranks]",
+    )
+    assert "mp.Process(" in one_by_one and "start_processes" not in one_by_one
+    started_with = children()
+    run_cell(
+        "%%gpumem --limit 8MiB --device cpu --quiet --no-raise --plan-budget 60\n"
+        + one_by_one.format(batch=BATCH, steps=STEPS, port=free_port())
+    )
+    failed = oommagic.history()[-1]
+    assert failed.outcome == "oom" and not failed.raised
+    assert failed.headline().startswith("rank 1 (cpu) ran out of memory asking for"), failed.headline()
+    assert [(r.rank, r.status) for r in failed.ranks.results] == [(0, "stopped"), (1, "oom")]
+    first = failed.plan.entries[0]
+    assert first.verdict == FITS and first.fixes[0].kind == "batch", [e.line() for e in failed.plan.entries]
+
+    fitted = ReportWidget(failed, session_for(shell)).click("batch")
+    assert fitted.outcome == "ok", fitted.headline()
+    assert [(r.status, r.steps) for r in fitted.ranks.results] == [("ok", STEPS), ("ok", STEPS)]
+    assert shell.user_ns["exit_codes"] == [0, 0]
+    seen = shell.user_ns["seen"].tolist()
+    assert [steps for steps, _ in seen] == [STEPS, STEPS]
+    assert sum(samples for _, samples in seen) // STEPS == WORLD * BATCH
+    assert children() <= started_with, "a rank of a trial or of a run is left"
+    assert fitted.source == first.fixes[0].new_source
+
+
+def test_a_library_process_of_the_cell_is_no_rank(run_cell, fresh_names):
+    """A DataLoader's workers (processes the kernel starts for a library) are not ranks: the cell's report
+    stays the kernel's."""
+    run_cell(
+        "%%gpumem --device cpu --quiet\n"
+        "loader = torch.utils.data.DataLoader(torch.arange(64.0), batch_size=16, num_workers=2)\n"
+        "total = sum(float(b.sum()) for b in loader)"
+    )
+    run = oommagic.history()[-1]
+    assert run.outcome == "ok" and run.ranks is None
+
+
 LIGHTNING = """\
 import torch, pytorch_lightning as pl
 class Net(pl.LightningModule):
