@@ -26,14 +26,10 @@ def shard_source(source: str) -> str | None:
     """``source`` with its first ``x = DistributedDataParallel(model, ...)`` (or ``DDP(...)``) replaced by
     FSDP2's ``fully_shard`` on every block and on the model, and ``x.module`` read as ``x``; None where the
     cell has no such line or the sharded model would not run its code (see the module docstring)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    found = _wrap(tree)
+    found = _parsed_wrap(source)
     if found is None:
         return None
-    scope, assign, target = found
+    tree, scope, assign, target = found
     model = assign.value.args[0]  # type: ignore[attr-defined]
     ends = (assign.end_lineno or assign.lineno, assign.end_col_offset or 0)
     after = [n for n in _walk_scope(scope) if _starts(n) >= ends]
@@ -80,14 +76,10 @@ def checkpoint_source(source: str) -> str | None:
     """``source`` with the model its first ``x = DistributedDataParallel(model, ...)`` wraps handed through
     ``oommagic.checkpointed``: each block's activations recomputed in the backward pass on every rank, the
     batch, steps and update as written. None where the cell wraps no model so."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return None
-    found = _wrap(tree)
+    found = _parsed_wrap(source)
     if found is None:
         return None
-    _, assign, _ = found
+    tree, _, assign, _ = found
     model = assign.value.args[0]  # type: ignore[attr-defined]
     given = ast.get_source_segment(source, model)
     if given is None or "\n" in given:
@@ -114,6 +106,16 @@ def _apply(lines: list[str], edits: list[tuple], block: str, indent: str) -> str
         head = data[first - 1][:start]
         data[first - 1 : last] = [head + new + data[last - 1][end:]]
     return b"".join(data).decode()
+
+
+def _parsed_wrap(source: str) -> tuple[ast.Module, ast.AST, ast.Assign, str] | None:
+    """The cell parsed, and its first DDP wrap (``_wrap``); None where it does not parse or has none."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    found = _wrap(tree)
+    return None if found is None else (tree, *found)
 
 
 def _wrap(tree: ast.Module) -> tuple[ast.AST, ast.Assign, str] | None:
