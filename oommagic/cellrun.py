@@ -60,6 +60,8 @@ class CellRun:
     ranks: Ranks | None = None  # per-rank figures when the cell started torch.distributed ranks
     # False where a rank ran out under a launcher that returned (``!torchrun``): the cell does not fail.
     raised: bool = True
+    # Who ran out where a launched script's ranks record nothing: read from its output, nothing measured.
+    unrecorded: str | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     # Thin readers over the recording: one source of truth for every figure.
@@ -136,6 +138,19 @@ class CellRun:
         ranks = self.ranks
         if ranks is not None and (ranks.out_of_memory is not None or self.outcome == "ok"):
             return ranks.headline()  # the kernel's own figures say nothing of its ranks
+        if self.outcome == "oom" and self.unrecorded:
+            asked = self.report.requested if self.report is not None else None
+            where = (
+                f" ({self.report.device}:{self.report.gpu_index})"
+                if self.report and self.report.gpu_index is not None
+                else ""
+            )
+            return (
+                f"{self.unrecorded}{where} ran out of memory"
+                + (f" asking for {format_bytes(asked)}" if asked else "")
+                + ", read from its output: its ranks record nothing (run its work inside `with "
+                "oommagic.rank_recorder():` for per-rank figures and a measured fix)"
+            )
         if self.outcome == "oom" and self.report is not None:
             return oom_headline(self.report, self.budget)
         if self.outcome == "oom":

@@ -52,6 +52,8 @@ class Attempt:
     snapshot_ms: float | None = None
     ranks: Ranks | None = None  # the ranks the cell started (torch.distributed), if any
     raised: bool = True  # False: a rank ran out under a launcher that returned (``!torchrun``)
+    # Who ran out, read from the output of a launched script whose ranks record nothing themselves.
+    unrecorded: str | None = None
 
 
 class _Catch:
@@ -126,6 +128,7 @@ def execute(
     from .capture.roles import frames_of
     from .fixes import in_force
     from .ranks import watch_ranks
+    from .script_output import OutputTail, rank_oom_in
 
     options = spec.options
     limit = bounds.limit if bounds is not None and bounds.limit is not None else options.limit
@@ -148,6 +151,7 @@ def execute(
         stack.enter_context(in_force(spec.applied, shell, recorder.device))
         counter = stack.enter_context(bounded(bounds))
         ranks = stack.enter_context(watch_ranks(limit, recorder.device, bounds))
+        output = stack.enter_context(OutputTail(spec.source))
         t0 = time.perf_counter()
         result = None
         try:
@@ -198,6 +202,14 @@ def execute(
             attempt.outcome, attempt.report, attempt.raised = "oom", rank_oom, False
             if scan:
                 attempt.scan = _scan(scan_namespace, shell.user_ns, recorder.device, spec, None, pins)
+        elif attempt.ranks is None and not interrupted and (seen := rank_oom_in(output.text)) is not None:
+            # A launched script whose ranks record nothing printed a rank's error, and its launcher returned:
+            # out of memory, as the output says, the cell ending as without the tool; nothing measured.
+            who, attempt.report = seen
+            attempt.outcome, attempt.raised = "oom", False
+            attempt.unrecorded = (
+                "a rank of the launched script" if who is None else f"rank {who} of the script"
+            )
         elif result is not None and isinstance(result.error_in_exec, KeyboardInterrupt):
             interrupted = True
         del exc

@@ -230,6 +230,7 @@ class Session:
             snapshot_ms=attempt.snapshot_ms,
             ranks=attempt.ranks,
             raised=attempt.raised,
+            unrecorded=attempt.unrecorded,
         )
 
     def _plan(self, run: CellRun) -> Any:

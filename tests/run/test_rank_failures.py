@@ -158,3 +158,38 @@ def test_torchrun_from_the_cell(run_cell, tmp_path):
     assert [r.rank for r in run.ranks.results] == [0, 1]
     assert run.ranks.results[1].status in ("stopped", "lost")
     assert not any(alive(r.pid) for r in run.ranks.results)
+
+
+UNRECORDED_SCRIPT = """
+import os, torch
+# A rank that runs out, as a CUDA rank would say it (this machine has no GPU); no oommagic.rank_recorder().
+if int(os.environ["RANK"]) == 1:
+    raise torch.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 6.00 GiB. GPU 1 has a total capacity of 79.19 GiB of which "
+        "2.10 GiB is free. Including non-PyTorch memory, this process has 77.08 GiB memory in use. Of the "
+        "allocated memory 76.50 GiB is allocated by PyTorch, and 64.00 MiB is reserved by PyTorch but "
+        "unallocated."
+    )
+"""
+
+
+def test_a_torchrun_script_that_records_nothing_is_not_read_as_ok(run_cell, tmp_path):
+    """A script launched with ``!torchrun`` without ``oommagic.rank_recorder()``: its ranks report nothing,
+    and torchrun returns. Before, the cell read "[ok] peak 0 bytes" while rank 1 ran out; now its headline
+    says which rank ran out asking for what, read from the script's output, and how to get more; nothing
+    is measured for it, and the cell does not fail (as without the tool)."""
+    (tmp_path / "train.py").write_text(UNRECORDED_SCRIPT)
+    result, out = run_cell(
+        "%%gpumem --device cpu --text\nimport os, sys\npath = os.pathsep.join(sys.path)\n"
+        f"!PYTHONPATH={{path}} {{sys.executable}} -m torch.distributed.run --nproc_per_node 2"
+        f" --master_port {free_port()} {tmp_path / 'train.py'}"
+    )
+    run = last_run()
+    assert result.error_in_exec is None and run.outcome == "oom" and not run.raised, out
+    assert run.ranks is None and run.plan is None
+    assert run.headline().startswith(
+        "rank 1 of the script (cuda:1) ran out of memory asking for 6.00 GiB, read from its output"
+    ), run.headline()
+    assert "oommagic.rank_recorder()" in run.headline()
+    assert "[OUT OF MEMORY] rank 1 of the script" in out
+    assert "OutOfMemoryError" in out, "the script's own output is shown as without the tool"
