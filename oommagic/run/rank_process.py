@@ -92,7 +92,8 @@ class RankTarget:
         index = self.index
         if index is None:
             index = args[0] if self.indexed else int(os.environ.get("LOCAL_RANK", "0"))
-        with RankRecorder(self.directory, self.limit, self.device, index, self.bounds, self.returns):
+        alone = self.index is not None
+        with RankRecorder(self.directory, self.limit, self.device, index, self.bounds, self.returns, alone):
             return self.fn(*args, **kwargs)
 
 
@@ -116,9 +117,14 @@ class RankRecorder:
         index: int,
         bounds: str | None = None,
         returns: bool = True,
+        alone: bool = False,
     ) -> None:
         self.directory = directory
         self.returns = returns
+        # A process the cell started one by one is a rank only once it joins a process group (a helper
+        # process of the person's is not): ``joined`` says whether it did, for the kernel to tell.
+        self.alone = alone
+        self._joined = False
         self.limit = limit
         self.device = device
         self.index = index
@@ -139,7 +145,7 @@ class RankRecorder:
     # The life of a rank.
 
     def __enter__(self) -> RankRecorder:
-        write(self.directory, f"pid-{self.pid}", {"pid": self.pid, "index": self.index})
+        write(self.directory, f"pid-{self.pid}", {"pid": self.pid, "index": self.index, "alone": self.alone})
         if self.device == "cpu":
             self._cpu = _cpu_recorder(self.limit)
             self._cpu.__enter__()
@@ -213,6 +219,7 @@ class RankRecorder:
         """Another rank failed: write this rank's figures and end this process (its memory goes back).
         A trial's rank stuck past its deadline ends the same way, as out of time."""
         while not self._done.wait(POLL_S):
+            self._joined = self._joined or _in_process_group()
             if self._past_deadline():
                 if self._report("timed_out", trial_stop="stuck past the trial's deadline"):
                     os._exit(STOPPED_EXIT)
@@ -284,6 +291,7 @@ class RankRecorder:
         with contextlib.suppress(Exception):
             result.update(_state_bytes(frames or []))
         result["rank"] = _rank(self.index)
+        result.update(alone=self.alone, joined=self._joined or _in_process_group())
         name = f"{status}-rank{result['rank']}-pid{self.pid}"
         write(self.directory, name, result)
         return True
@@ -317,6 +325,15 @@ def _cpu_recorder(limit: str | None) -> Any:
     LEDGER.allocated = 0
     LEDGER.listener = None
     return CpuRecorder(limit_bytes(limit, host_memory()), timeline=False)
+
+
+def _in_process_group() -> bool:
+    """Whether this process is in a torch.distributed process group now (read without importing it)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist is not None and dist.is_available() and dist.is_initialized()
+    except Exception:
+        return False
 
 
 def _rank(index: int) -> int:

@@ -158,13 +158,23 @@ class RankWatch:
         if not started:
             return None
         results: dict[int, RankResult] = {}
+        helpers: set[int] = set()
         for name in names(self.directory):
             if name.startswith("pid-"):
                 continue
             with contextlib.suppress(OSError, ValueError, TypeError):
                 with open(os.path.join(self.directory, name)) as fh:
-                    result = RankResult.from_json(json.load(fh))
+                    data = json.load(fh)
+                if data.get("alone") and data.get("joined") is False:
+                    # A process the cell started one by one that never joined a process group: a helper
+                    # of the person's, not a rank.
+                    helpers.add(data["pid"])
+                    continue
+                result = RankResult.from_json(data)
                 results[result.pid] = result
+        started -= helpers
+        if not started:
+            return None
         failed = stop or any(r.status in ("oom", "error") for r in results.values())
         for pid in started:
             still = alive(pid)

@@ -164,9 +164,9 @@ def test_ranks_started_one_by_one_are_read_and_fixed(shell, run_cell, trained_be
     assert fitted.source == first.fixes[0].new_source
 
 
-def test_a_library_process_of_the_cell_is_no_rank(run_cell, fresh_names):
-    """A DataLoader's workers (processes the kernel starts for a library) are not ranks: the cell's report
-    stays the kernel's."""
+def test_a_library_process_or_a_helper_of_the_cell_is_no_rank(run_cell, fresh_names):
+    """A DataLoader's workers (processes the kernel starts for a library) are not ranks, nor is a process
+    of the person's that never joins a process group: the cell's report stays the kernel's."""
     run_cell(
         "%%gpumem --device cpu --quiet\n"
         "loader = torch.utils.data.DataLoader(torch.arange(64.0), batch_size=16, num_workers=2)\n"
@@ -174,6 +174,14 @@ def test_a_library_process_of_the_cell_is_no_rank(run_cell, fresh_names):
     )
     run = oommagic.history()[-1]
     assert run.outcome == "ok" and run.ranks is None
+    run_cell(
+        "%%gpumem --device cpu --quiet\nimport torch.multiprocessing as mp\n"
+        "def helper():\n    torch.ones(1024).sum()\n"
+        "p = mp.Process(target=helper)\np.start()\np.join()\n"
+        "kept = torch.zeros(256, 1024)"
+    )
+    run = oommagic.history()[-1]
+    assert run.outcome == "ok" and run.ranks is None and run.peak_allocated >= 256 * 1024 * 4, run.headline()
 
 
 LIGHTNING = """\
