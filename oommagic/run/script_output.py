@@ -26,18 +26,30 @@ _ROOT_CAUSE = re.compile(
 _OOM_LINE = re.compile(r"OutOfMemoryError|out of memory", re.IGNORECASE)
 
 
-class _Tee:
-    """A stream that writes through to ``stream`` and keeps the last ``KEEP`` characters in ``into``."""
+class _Kept:
+    """The last ``KEEP`` characters or more written, in pieces (joined only when they pass twice that)."""
 
-    def __init__(self, stream: Any, into: list[str]) -> None:
+    def __init__(self) -> None:
+        self.pieces: list[str] = []
+        self.size = 0
+
+    def add(self, text: str) -> None:
+        self.pieces.append(text)
+        self.size += len(text)
+        if self.size > 2 * KEEP:
+            self.pieces = ["".join(self.pieces)[-KEEP:]]
+            self.size = KEEP
+
+
+class _Tee:
+    """A stream that writes through to ``stream`` and keeps what it writes in ``into``."""
+
+    def __init__(self, stream: Any, into: _Kept) -> None:
         self._stream, self._into = stream, into
 
     def write(self, text: str) -> Any:
         if isinstance(text, str):
-            self._into.append(text)
-            if sum(map(len, self._into)) > 2 * KEEP:
-                joined = "".join(self._into)[-KEEP:]
-                self._into[:] = [joined]
+            self._into.add(text)
         return self._stream.write(text)
 
     def __getattr__(self, name: str) -> Any:
@@ -51,7 +63,7 @@ class OutputTail:
 
     def __init__(self, source: str) -> None:
         self.watching = launch(source) is not None
-        self._kept: list[str] = []
+        self._kept = _Kept()
         self._saved: tuple[Any, Any] | None = None
 
     def __enter__(self) -> OutputTail:
@@ -72,7 +84,7 @@ class OutputTail:
 
     @property
     def text(self) -> str:
-        return "".join(self._kept)[-KEEP:]
+        return "".join(self._kept.pieces)[-KEEP:]
 
 
 def rank_oom_in(text: str) -> tuple[int | None, OOMReport] | None:
