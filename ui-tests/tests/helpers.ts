@@ -110,9 +110,13 @@ export async function putNotebook(
 
 /** A training function of one cell and the `%%gpumem` cell that calls it and runs out of memory (a 24 MiB
  * card): the notebook whose pressed fix is written back into both cells. */
+// Each micro-batch first waits a quarter of a second: the pressed fix's run (eight micro-batches) then
+// holds the kernel busy for about two seconds, long enough to check every button while it runs (a run of a
+// few hundred milliseconds ended between the checks under CI's load, and the sidebar's check failed).
 export const WRITEBACK_TRAIN = [
   'def train(model, opt, batch_size):',
   '    for _ in range(2):',
+  '        time.sleep(0.25)',
   '        x = torch.randn(batch_size, 64, 256)',
   '        model(x).square().mean().backward()',
   '        opt.step()',

@@ -35,7 +35,7 @@ test('Notebook 7: a pressed fix runs with the kernel busy, is written into the c
   );
   const errors = collectErrors(page);
   await putNotebook(request, NAME, [
-    '%load_ext oommagic\nimport torch',
+    '%load_ext oommagic\nimport time, torch',
     TRAIN,
     FAILING
   ]);

@@ -31,7 +31,7 @@ test.describe('a fix pressed in the report', () => {
   }) => {
     const errors = collectErrors(page);
     await page.notebook.createNew('writeback.ipynb');
-    await page.notebook.setCell(0, 'code', '%load_ext oommagic\nimport torch');
+    await page.notebook.setCell(0, 'code', '%load_ext oommagic\nimport time, torch');
     await page.notebook.addCell('code', 'pass');
     await writeCell(page, 1, TRAIN);
     await page.notebook.addCell('code', 'pass');
