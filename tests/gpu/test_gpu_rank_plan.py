@@ -210,18 +210,6 @@ def test_spawn_plan_fits_on_every_rank(tmp_path):
     assert f"grad_accum_steps = {record['params']['accumulate']}" in record["fitted_source"]
 
 
-def test_notebook_launcher_plan_fits_on_every_rank(tmp_path):
-    pytest.importorskip("accelerate")
-    record = plan_record(
-        tmp_path,
-        "before = gpu_used()",
-        "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
-        + LAUNCHED.format(batch=BATCH, steps=STEPS, port=free_port()),
-    )
-    assert_fits_on_every_rank(record)
-    assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
-
-
 # The same work on a model the ranks shard with FSDP2 themselves (no DDP): rank 1 keeps 1.5 GiB more, as
 # the sharded state is smaller than DDP's copies and buckets.
 SHARDED_RUN = (
@@ -236,14 +224,17 @@ SHARDED_RUN = (
 )
 
 
-def test_notebook_launcher_fsdp2_run_plan_fits_on_every_rank(tmp_path):
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
+def test_notebook_launcher_plan_fits_on_every_rank(tmp_path, wrap):
+    """The ranks wrap the model in DDP, or shard it with FSDP2 themselves: the same batch fix either way."""
     pytest.importorskip("accelerate")
-    assert "fully_shard(model)" in SHARDED_RUN and "DistributedDataParallel(" not in SHARDED_RUN
+    cell = {"ddp": LAUNCHED, "fsdp2": SHARDED_RUN}[wrap]
+    assert wrap == "ddp" or ("fully_shard(model)" in cell and "DistributedDataParallel(" not in cell)
     record = plan_record(
         tmp_path,
         "before = gpu_used()",
         "%%gpumem --limit 3GiB --text --no-raise --plan-budget 300\n"
-        + SHARDED_RUN.format(batch=BATCH, steps=STEPS, port=free_port()),
+        + cell.format(batch=BATCH, steps=STEPS, port=free_port()),
     )
     assert_fits_on_every_rank(record)
     assert f"range({STEPS} * {record['params']['accumulate']})" in record["fitted_source"]
